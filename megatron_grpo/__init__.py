@@ -1,0 +1,1 @@
+"""megatron_grpo: model-parallel GRPO on megatron-core with exact loss normalization."""

@@ -1,0 +1,142 @@
+"""Run a function on N local processes, as torchrun would, with a hard timeout.
+
+Used by the test suite and by ``check-invariance``: each rank runs
+``target(**kwargs)`` with torchrun's environment set (RANK, WORLD_SIZE,
+MASTER_ADDR, ...); what it returns is saved with ``torch.save`` and handed back
+as a list indexed by rank. A rank that fails or a run that exceeds its timeout
+kills every rank and raises ``WorkerError`` with the tail of each failing
+rank's output, so a hang never blocks the caller.
+
+``target`` is ``"package.module:function"`` or ``"path/to/file.py:function"``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+
+class WorkerError(RuntimeError):
+    """A rank failed or the run timed out."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_workers(
+    target: str,
+    nprocs: int,
+    *,
+    timeout: float = 300.0,
+    kwargs: dict[str, Any] | None = None,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
+    """Run ``target(**kwargs)`` on ``nprocs`` ranks; return each rank's result."""
+    with tempfile.TemporaryDirectory(prefix="mgrpo_launch_") as tmp:
+        work = Path(tmp)
+        (work / "kwargs.pkl").write_bytes(pickle.dumps(kwargs or {}))
+        base_env = {
+            **os.environ,
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(free_port()),
+            "WORLD_SIZE": str(nprocs),
+            "LOCAL_WORLD_SIZE": str(nprocs),
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+            **(env or {}),
+        }
+        procs = []
+        for rank in range(nprocs):
+            rank_env = {**base_env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+            log = open(work / f"rank{rank}.log", "wb")
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "megatron_grpo.launch", target, str(work)],
+                    env=rank_env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
+        _wait_all(procs, timeout, work, target)
+        return [_load_result(work / f"rank{r}.result") for r in range(nprocs)]
+
+
+def _wait_all(procs: list[subprocess.Popen], timeout: float, work: Path, target: str) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        codes = [p.poll() for p in procs]
+        failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
+        if failed or time.monotonic() > deadline:
+            _kill(procs)
+            what = f"rank(s) {failed} failed" if failed else f"timed out after {timeout:.0f}s"
+            ranks = failed or list(range(len(procs)))
+            tails = "\n".join(
+                f"--- rank {r} (last lines) ---\n{_tail(work / f'rank{r}.log')}" for r in ranks
+            )
+            raise WorkerError(f"{target} on {len(procs)} processes: {what}\n{tails}")
+        if all(c == 0 for c in codes):
+            return
+        time.sleep(0.05)
+
+
+def _kill(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for p in procs:
+        p.wait()
+
+
+def _tail(path: Path, lines: int = 40) -> str:
+    text = path.read_text(errors="replace") if path.exists() else ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def _load_result(path: Path) -> Any:
+    import torch
+
+    return torch.load(path, weights_only=False)
+
+
+def resolve(target: str):
+    """The function named by ``module:function`` or ``file.py:function``."""
+    where, _, name = target.rpartition(":")
+    if where.endswith(".py"):
+        spec = importlib.util.spec_from_file_location(Path(where).stem, where)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(where)
+    return getattr(module, name)
+
+
+def _worker_main(target: str, work: str) -> None:
+    import torch
+
+    fn = resolve(target)
+    kwargs = pickle.loads((Path(work) / "kwargs.pkl").read_bytes())
+    result = fn(**kwargs)
+    rank = os.environ["RANK"]
+    torch.save(result, Path(work) / f"rank{rank}.result")
+
+
+if __name__ == "__main__":
+    _worker_main(sys.argv[1], sys.argv[2])

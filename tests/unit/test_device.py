@@ -1,0 +1,52 @@
+"""The CPU device layer, checked in a child process (it patches torch globally)."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the layer is inactive on GPUs")
+
+PROBE = r"""
+import torch
+from megatron_grpo import device
+device.install()
+device.install()  # idempotent
+x = torch.zeros(3, device="cuda")
+assert x.device.type == "cpu", x.device
+assert torch.ones(2).cuda().device.type == "cpu"
+assert torch.ones(2).to("cuda").device.type == "cpu"
+assert torch.ones(2).to(device="cuda:0").device.type == "cpu"
+assert torch.ones(2).type() == "torch.cuda.FloatTensor"
+assert torch.ones(2).type(torch.float64).dtype == torch.float64
+assert torch.cuda.current_device() == torch.device("cpu")
+torch.cuda.synchronize()
+torch.cuda.manual_seed(3)
+a = torch.rand(2)
+torch.cuda.manual_seed(3)
+assert torch.equal(a, torch.rand(2))
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+tracker = get_cuda_rng_tracker()
+tracker.add("model-parallel-rng", 11)
+before = torch.get_rng_state()
+with tracker.fork():
+    inside = torch.rand(2)
+assert torch.equal(torch.get_rng_state(), before)  # fork restores the default generator
+from megatron.core.transformer.utils import get_default_causal_mask
+assert get_default_causal_mask(4).device.type == "cpu"
+print("ok")
+"""
+
+
+def test_device_layer_routes_cuda_to_cpu():
+    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().endswith("ok")
+
+
+def test_backend_choice():
+    from megatron_grpo import device
+
+    assert device.distributed_backend() == "gloo"
+    assert device.compute_device() == torch.device("cpu")
