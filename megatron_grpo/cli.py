@@ -25,12 +25,78 @@ def cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+DEFAULT_LAYOUTS = "1x1x1,2x1x1,1x2x1,1x1x2,2x2x1,2x1x2,1x2x2"
+
+
+def cmd_check_invariance(args: argparse.Namespace) -> int:
+    from megatron_grpo.invariance import Layout, check
+    from megatron_grpo.normalization import MODES, check_mode
+
+    modes = list(MODES) if args.mode == "all" else [args.mode]
+    for mode in modes:
+        check_mode(mode)
+    layouts = [Layout.parse(x) for x in args.layouts.split(",") if x.strip()]
+    counts = [int(x) for x in args.micro_batches.split(",")]
+    if any(c < 1 for c in counts):
+        raise ValueError(f"--micro-batches must be positive integers, got {args.micro_batches}")
+    model_cfg = (
+        load_config(args.config, args.overrides).model if args.config or args.overrides else None
+    )
+    print(
+        f"check-invariance: modes {', '.join(modes)}; layouts (DPxTPxPP) "
+        f"{', '.join(map(str, layouts))}; micro-batches {counts}; "
+        f"permutation {'on' if args.permute else 'off'}; tolerance {args.tolerance:g}"
+    )
+    errors = check(
+        layouts,
+        modes=modes,
+        micro_batch_counts=counts,
+        permute=args.permute,
+        model_cfg=model_cfg,
+        timeout=args.timeout,
+    )
+    worst = max(max(v.values()) for cases in errors.values() for v in cases.values())
+    failed = [
+        f"{layout} {case}: {', '.join(f'{k} {v:.2e}' for k, v in e.items())}"
+        for layout, cases in errors.items()
+        for case, e in cases.items()
+        if max(e.values()) > args.tolerance
+    ]
+    for line in failed:
+        print(f"  FAIL {line}")
+    verdict = "FAIL" if failed else "PASS"
+    print(f"{verdict}: worst max|delta|/max|g| = {worst:.2e} (tolerance {args.tolerance:g})")
+    return 1 if failed else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-grpo", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("config", help="validate a config and print it resolved")
     add_config_args(p)
     p.set_defaults(func=cmd_config)
+
+    p = sub.add_parser(
+        "check-invariance",
+        help="prove the gradient of one global batch is the same at every layout",
+        description="Train one fixed global batch for one step at each DPxTPxPP layout "
+        "(multi-process gloo on CPU, nccl on GPU), with several micro-batch counts and a "
+        "permutation of samples, and compare gradients, SGD updates and grad norms "
+        "against the single-process run.",
+    )
+    add_config_args(p)
+    p.add_argument("--mode", default="token-mean", help="loss aggregation mode, or 'all'")
+    p.add_argument("--layouts", default=DEFAULT_LAYOUTS, help="comma-separated DPxTPxPP")
+    p.add_argument("--micro-batches", default="1,3", help="comma-separated micro-batch counts")
+    p.add_argument(
+        "--no-permute",
+        dest="permute",
+        action="store_false",
+        help="skip the permutation of samples across ranks and micro-batches",
+    )
+    p.add_argument("--tolerance", type=float, default=1e-5)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per layout launch")
+    p.set_defaults(func=cmd_check_invariance)
     return parser
 
 

@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 import yaml
 
+from megatron_grpo.normalization import Mode, check_mode
 from megatron_grpo.parallel import ParallelDims
 
 
@@ -121,6 +122,57 @@ class OptimConfig:
 
 
 @dataclass(kw_only=True)
+class LossConfig:
+    """The GRPO objective: aggregation mode, clipping, KL, entropy, importance sampling."""
+
+    mode: Mode = "token-mean"
+    """How per-token losses are aggregated (docs/loss_normalization.md)."""
+    max_len: int | None = None
+    """L for seq-mean-token-sum-norm (Dr. GRPO); None means the max completion length."""
+    eps_clip_low: float = 0.2
+    """Lower PPO clip: ratios below 1 - eps_clip_low are clipped."""
+    eps_clip_high: float = 0.2
+    """Upper PPO clip (clip-higher, e.g. 0.28 in DAPO)."""
+    dual_clip: float | None = None
+    """Dual-clip constant c > 1 bounding the loss of negative advantages; None disables."""
+    ratio_level: Literal["token", "sequence"] = "token"
+    """Importance ratio per token (PPO/GRPO) or per sequence (GSPO)."""
+    kl_coef: float = 0.0
+    """Coefficient of the KL penalty to the reference model; 0 disables it."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator (k3 is the low-variance one)."""
+    entropy_coef: float = 0.0
+    """Coefficient of the entropy bonus (subtracted from the loss)."""
+    tis_level: Literal["token", "sequence"] | None = None
+    """Truncated importance sampling against the rollout engine's log-probs; None disables."""
+    tis_mode: Literal["truncate", "mask"] = "truncate"
+    """Cap weights at tis_upper, or zero tokens whose weight is outside [tis_lower, tis_upper]."""
+    tis_upper: float = 2.0
+    """Upper bound of the importance weight."""
+    tis_lower: float | None = None
+    """Lower bound for tis_mode=mask."""
+
+    def __post_init__(self) -> None:
+        check_mode(self.mode)
+        if self.eps_clip_low < 0 or self.eps_clip_high < 0 or self.eps_clip_low >= 1:
+            raise ValueError(
+                f"loss.eps_clip_low must be in [0, 1) and loss.eps_clip_high >= 0, "
+                f"got {self.eps_clip_low}, {self.eps_clip_high}"
+            )
+        if self.dual_clip is not None and self.dual_clip <= 1:
+            raise ValueError(f"loss.dual_clip must be > 1, got {self.dual_clip}")
+        if self.max_len is not None and self.max_len <= 0:
+            raise ValueError(f"loss.max_len must be positive, got {self.max_len}")
+        if self.tis_upper <= 0 or (
+            self.tis_lower is not None and not 0 <= self.tis_lower < self.tis_upper
+        ):
+            raise ValueError(
+                f"loss.tis_lower/tis_upper must satisfy 0 <= lower < upper, "
+                f"got {self.tis_lower}, {self.tis_upper}"
+            )
+
+
+@dataclass(kw_only=True)
 class Config:
     """The whole run."""
 
@@ -131,6 +183,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelDims = field(default_factory=ParallelDims)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
 
 
 # --------------------------------------------------------------------------- loading

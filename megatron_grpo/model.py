@@ -126,7 +126,7 @@ def build_gpt(cfg: ModelConfig, ctx: ParallelContext, *, vp_stage: int | None = 
         parallel_output=True,
         share_embeddings_and_output_weights=cfg.tie_embeddings,
         position_embedding_type="rope",
-        rotary_base=int(cfg.rotary_base),
+        rotary_base=cfg.rotary_base,  # type: ignore[arg-type]  # used as base ** x
         pg_collection=ctx.pg,
         vp_stage=vp_stage,
     )

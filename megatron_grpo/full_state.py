@@ -1,0 +1,122 @@
+"""The layout-free view of a model: full (unsharded) tensors under TP=1, PP=1 names.
+
+megatron-core's sharded state dict says, for every local shard, which slice of
+which global tensor it is (``ShardedTensor.global_slice()``), including the
+fused SwiGLU and per-query-group QKV layouts. That metadata is used here to
+gather parameters, or their gradients, from every TP/PP rank into full
+tensors named as a single-process GPTModel names them
+(``decoder.layers.3.mlp.linear_fc1.weight``), and to scatter full tensors back.
+The same names come out of every layout, so two layouts can be compared
+tensor by tensor, and weight sync has one source of truth to map to HF names.
+
+The vocabulary is padded differently at each TP size; full tensors hold only
+the tokenizer's ``vocab_size`` rows (the padding rows are zeros when loaded
+and take no part in the log-softmax).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from megatron_grpo.checkpoint import model_sharded_state_dict
+from megatron_grpo.parallel import ParallelContext
+
+_VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+@contextlib.contextmanager
+def _params_as_grads(model: list) -> Iterator[None]:
+    """Temporarily point every parameter's data at its (DDP main) gradient."""
+    saved = []
+    for chunk in model:
+        for p in chunk.parameters():
+            grad = getattr(p, "main_grad", None)
+            if grad is None:
+                grad = p.grad if p.grad is not None else torch.zeros_like(p)
+            saved.append((p, p.data))
+            p.data = grad.to(p.dtype)
+    try:
+        yield
+    finally:
+        for p, data in saved:
+            p.data = data
+
+
+def _local_shards(model: list) -> list[tuple[str, int, tuple[int, ...], tuple, Tensor]]:
+    """(key, prepended axes, global shape, global slice, local view) per local shard."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+    state = model_sharded_state_dict(model)
+    apply_factories(state)
+    shards = []
+    for sh in nested_values(state):
+        if isinstance(sh, ShardedTensor):
+            shards.append(
+                (sh.key, sh.prepend_axis_num, tuple(sh.global_shape), sh.global_slice(), sh.data)
+            )
+    return shards
+
+
+def _full_names(key: str, prepend: int, full: Tensor) -> dict[str, Tensor]:
+    """Unstack a tensor with a prepended layer axis into per-layer state-dict names."""
+    if prepend == 0:
+        return {key: full}
+    assert prepend == 1, f"{key}: {prepend} prepended axes are not supported"
+    stem, _, leaf = key.rpartition("layers.")
+    return {f"{stem}layers.{i}.{leaf}": full[i] for i in range(full.shape[0])}
+
+
+def gather_full_state(
+    model: list, ctx: ParallelContext, *, vocab_size: int, grads: bool = False, dst: int = 0
+) -> dict[str, Tensor] | None:
+    """Full tensors on global rank ``dst`` (None elsewhere): parameters, or gradients.
+
+    Gathers the whole model onto one rank: meant for checks, small models and
+    conversion, not for streaming a large model.
+    """
+    with _params_as_grads(model) if grads else contextlib.nullcontext():
+        local = [
+            (key, prepend, shape, sl, data.detach().to("cpu", copy=True))
+            for key, prepend, shape, sl, data in _local_shards(model)
+        ]
+    gathered: list | None = [None] * ctx.world_size if ctx.rank == dst else None
+    dist.gather_object(local, gathered, dst=dst)
+    if gathered is None:
+        return None
+    full: dict[str, Tensor] = {}
+    prepends: dict[str, int] = {}
+    for rank_shards in gathered:
+        for key, prepend, shape, sl, data in rank_shards:
+            if key not in full:
+                full[key] = torch.full(shape, float("nan"), dtype=data.dtype)
+                prepends[key] = prepend
+            full[key][sl] = data
+    out: dict[str, Tensor] = {}
+    for key, tensor in full.items():
+        if torch.isnan(tensor).any():
+            raise RuntimeError(f"{key}: some slices were not held by any rank")
+        if key in _VOCAB_KEYS:
+            tensor = tensor[:vocab_size]
+        out.update(_full_names(key, prepends[key], tensor))
+    return out
+
+
+def load_full_state(model: list, full: dict[str, Tensor]) -> None:
+    """Copy full (TP=1, PP=1 named) tensors into this rank's shards, in place."""
+    with torch.no_grad():
+        for key, prepend, shape, sl, data in _local_shards(model):
+            if key in _VOCAB_KEYS:
+                source = full[key].new_zeros(shape)
+                source[: full[key].shape[0]] = full[key]
+            elif prepend == 0:
+                source = full[key]
+            else:
+                stem, _, leaf = key.rpartition("layers.")
+                source = torch.stack([full[f"{stem}layers.{i}.{leaf}"] for i in range(shape[0])])
+            data.copy_(source[sl])

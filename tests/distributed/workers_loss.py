@@ -1,0 +1,157 @@
+"""Bodies run on several gloo processes by tests/distributed/test_loss_*.py."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def planted_bug_layout(*, bug: str, **kwargs):
+    """run_layout with a normalization bug that peers shipped, to show the check catches it."""
+    import megatron_grpo.loss as loss
+    from megatron_grpo.invariance import run_layout
+
+    if bug == "local-denominator":  # verl#5625, open-instruct#1161, prime-rl#583
+        original = loss.global_counts
+
+        def local_counts(seq_tokens, group_ids, num_groups, *, group, count_here=True):
+            return original(seq_tokens, group_ids, num_groups, group=None, count_here=count_here)
+
+        loss.global_counts = local_counts
+    elif bug == "uncancelled-microbatch-mean":  # AReaL#1273: loss / M left in the gradient
+        original_scaled = loss.scaled_loss
+        num_mb = {"n": 1}
+        original_set = loss.set_loss_weights
+
+        def remember(micro_batches, *args, **kw):
+            num_mb["n"] = len(micro_batches)
+            return original_set(micro_batches, *args, **kw)
+
+        loss.set_loss_weights = remember
+        loss.scaled_loss = lambda *a: original_scaled(*a) / num_mb["n"]
+    else:
+        raise ValueError(bug)
+    import megatron_grpo.invariance as inv
+
+    inv.set_loss_weights = loss.set_loss_weights  # type: ignore[attr-defined]
+    return run_layout(**kwargs)
+
+
+def denominator_collectives(tp: int, pp: int) -> dict:
+    """Count the collectives spent on the denominator path, and check TP log-probs."""
+    from megatron_grpo.batch import micro_batches_for_rank
+    from megatron_grpo.invariance import GROUP_SIZES, MAX_COMPLETION, default_loss, fixed_batch
+    from megatron_grpo.logprobs import vocab_parallel_logprobs
+    from megatron_grpo.loss import set_loss_weights
+    from megatron_grpo.parallel import ParallelDims, init_parallel
+
+    ctx = init_parallel(ParallelDims(tp=tp, pp=pp))
+    samples, _ = fixed_batch(vocab_size=100)
+    mbs = micro_batches_for_rank(
+        samples, dp_size=ctx.dp_size, dp_rank=ctx.dp_rank, num_micro_batches=3
+    )
+
+    calls: list[tuple[str, list[int]]] = []
+    names = (
+        "all_reduce",
+        "all_gather",
+        "all_gather_into_tensor",
+        "broadcast",
+        "reduce",
+        "reduce_scatter",
+        "all_gather_object",
+        "broadcast_object_list",
+        "send",
+        "recv",
+        "barrier",
+    )
+    originals = {n: getattr(dist, n) for n in names}
+
+    def spy(name):
+        def call(*args, **kwargs):
+            group = kwargs.get("group")
+            ranks = (
+                dist.get_process_group_ranks(group)
+                if group is not None
+                else list(range(dist.get_world_size()))
+            )
+            calls.append((name, ranks))
+            return originals[name](*args, **kwargs)
+
+        return call
+
+    for n in names:
+        setattr(dist, n, spy(n))
+    try:
+        set_loss_weights(
+            mbs,
+            default_loss("group-seq-mean"),
+            ctx,
+            num_groups=len(GROUP_SIZES),
+            max_len=MAX_COMPLETION,
+        )
+    finally:
+        for n, f in originals.items():
+            setattr(dist, n, f)
+    weights = torch.cat([mb["loss_weights"] for mb in mbs]) if ctx.is_last_stage else None
+
+    # Vocab-parallel log-probs and entropy against a single-process log_softmax, with gradients.
+    g = torch.Generator().manual_seed(0)
+    full = torch.randn(3, 5, 24, generator=g)
+    targets = torch.randint(0, 21, (3, 5), generator=g)
+    local = full.chunk(tp, dim=-1)[ctx.tp_rank].clone().requires_grad_(True)
+    logp, ent = vocab_parallel_logprobs(
+        local, targets, tp_group=ctx.tp_group, vocab_size=21, with_entropy=True
+    )
+    (logp.sum() + 0.5 * ent.sum()).backward()
+    ref_in = full.clone().requires_grad_(True)
+    ref = torch.log_softmax(ref_in[..., :21], dim=-1)
+    ref_logp = ref.gather(-1, targets[..., None]).squeeze(-1)
+    ref_ent = -(ref.exp() * ref).sum(-1)
+    (ref_logp.sum() + 0.5 * ref_ent.sum()).backward()
+    return {
+        "rank": ctx.rank,
+        "last": ctx.is_last_stage,
+        "calls": calls,
+        "dp_cp_ranks": dist.get_process_group_ranks(ctx.dp_cp_group),
+        "tp_ranks": dist.get_process_group_ranks(ctx.tp_group),
+        "pp_ranks": dist.get_process_group_ranks(ctx.pp_group),
+        "weights": weights,
+        "sample_ids": torch.cat([mb["sample_ids"] for mb in mbs]),
+        "logp_err": float((logp - ref_logp).abs().max()),
+        "ent_err": float((ent - ref_ent).abs().max()),
+        "grad_err": float((local.grad - ref_in.grad.chunk(tp, dim=-1)[ctx.tp_rank]).abs().max()),
+    }
+
+
+def toy_constant_loss(num_sequences_per_rank: int) -> dict:
+    """The GRPO-normalization toy: per-token loss is a parameter theta = 1.
+
+    Sequences have lengths 1..8; the global batch is the same 8 sequences
+    however many ranks share it. Returns the loss and d loss / d theta summed
+    over ranks (what DDP's sum all-reduce gives).
+    """
+    from megatron_grpo.loss import scaled_loss
+    from megatron_grpo.normalization import MODES, global_counts, sequence_weights
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    lengths = torch.arange(1, 9, dtype=torch.float32)
+    groups = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2])
+    mine = slice(rank * num_sequences_per_rank, (rank + 1) * num_sequences_per_rank)
+    out = {}
+    for mode in MODES:
+        theta = torch.ones((), requires_grad=True)
+        n, g = lengths[mine], groups[mine]
+        counts = global_counts(n, g, 3, group=dist.group.WORLD)
+        w = sequence_weights(mode, counts, n, g, max_len=8)
+        mask = (torch.arange(8)[None, :] < n[:, None]).float()
+        loss = scaled_loss(theta * torch.ones_like(mask), mask, w)
+        loss.backward()
+        total = torch.stack([loss.detach(), theta.grad])
+        dist.all_reduce(total)
+        out[mode] = total.tolist()
+    dist.destroy_process_group()
+    return {"world": int(os.environ["WORLD_SIZE"]), "results": out}
