@@ -5,6 +5,13 @@ A ``Sample`` is one prompt + completion. Per-token arrays are aligned with
 the policy and not masked out, e.g. not tool output), ``rollout_logprobs[t]``
 is the engine's log-probability of token t. ``collate`` shifts them onto the
 logits positions (position t predicts token t + 1) and pads to a rectangle.
+
+A row of a micro-batch holds one sample, or several packed end to end. Packed
+rows get a block-diagonal causal attention mask, so a sample attends only to
+itself; RoPE depends only on relative positions, so a packed sample's logits
+equal its unpacked ones. ``seg`` [B, S] maps every position to the index of
+its sample in the micro-batch (-1 on padding); per-sample values (group ids,
+loss weights) live in vectors indexed by it.
 """
 
 from __future__ import annotations
@@ -43,43 +50,84 @@ class Sample:
         if self.loss_mask[0] != 0:
             raise ValueError(f"sample {self.sample_id}: the first token cannot be a loss token")
 
+    def __len__(self) -> int:
+        return self.tokens.numel()
+
     @property
     def num_loss_tokens(self) -> int:
         return int(self.loss_mask.sum())
 
 
-def _shifted(values: Tensor, length: int, dtype: torch.dtype) -> Tensor:
-    out = torch.zeros(length, dtype=dtype)
-    out[: values.numel() - 1] = values[1:].to(dtype)
+def _shift(values: Tensor) -> Tensor:
+    """Token-aligned -> target-aligned: position t holds the value of token t + 1."""
+    out = torch.zeros_like(values)
+    out[:-1] = values[1:]
     return out
 
 
-def collate(samples: Sequence[Sample], *, pad_to: int | None = None) -> dict[str, Any]:
-    """Pad samples into one micro-batch with target-aligned per-token tensors."""
+def collate(rows: Sequence[Sequence[Sample]]) -> dict[str, Any]:
+    """Pad rows (each a list of samples packed end to end) into one micro-batch."""
+    samples = [s for row in rows for s in row]
     if not samples:
         raise ValueError("cannot collate an empty micro-batch")
-    length = max(s.tokens.numel() for s in samples)
-    if pad_to is not None:
-        length = max(length, pad_to)
-    tokens = torch.zeros(len(samples), length, dtype=torch.long)
-    for row, s in enumerate(samples):
-        tokens[row, : s.tokens.numel()] = s.tokens
-    mask = torch.stack([_shifted(s.loss_mask, length, torch.float32) for s in samples])
+    length = max(sum(len(s) for s in row) for row in rows)
+    B = len(rows)
+    tokens = torch.zeros(B, length, dtype=torch.long)
+    targets = torch.zeros(B, length, dtype=torch.long)
+    position_ids = torch.zeros(B, length, dtype=torch.long)
+    mask = torch.zeros(B, length)
+    advantages = torch.zeros(B, length)
+    seg = torch.full((B, length), -1, dtype=torch.long)
+    with_rollout = all(s.rollout_logprobs is not None for s in samples)
+    rollout = torch.zeros(B, length)
+    index = 0
+    for r, row in enumerate(rows):
+        start = 0
+        for s in row:
+            span = slice(start, start + len(s))
+            tokens[r, span] = s.tokens
+            targets[r, span] = _shift(s.tokens)
+            position_ids[r, span] = torch.arange(len(s))
+            mask[r, span] = _shift(s.loss_mask.float())
+            advantages[r, span] = s.advantage * mask[r, span]
+            seg[r, span] = index
+            if with_rollout:
+                rollout[r, span] = _shift(s.rollout_logprobs.float())  # type: ignore[union-attr]
+            start += len(s)
+            index += 1
     batch: dict[str, Any] = {
         "tokens": tokens,
-        "position_ids": torch.arange(length).unsqueeze(0).expand(len(samples), -1).contiguous(),
-        "targets": torch.stack([_shifted(s.tokens, length, torch.long) for s in samples]),
+        "position_ids": position_ids,
+        "targets": targets,
         "loss_mask": mask,
-        "advantages": torch.tensor([s.advantage for s in samples]).unsqueeze(-1) * mask,
+        "advantages": advantages,
+        "seg": seg,
         "group_ids": torch.tensor([s.group for s in samples]),
         "sample_ids": torch.tensor([s.sample_id for s in samples]),
-        "seq_tokens": mask.sum(dim=-1),
+        "seq_tokens": torch.tensor([float(s.num_loss_tokens) for s in samples]),
+        "num_tokens": sum(len(s) for s in samples),
     }
-    if all(s.rollout_logprobs is not None for s in samples):
-        batch["rollout_logprobs"] = torch.stack(
-            [_shifted(s.rollout_logprobs, length, torch.float32) for s in samples]  # type: ignore[arg-type]
-        )
+    if with_rollout:
+        batch["rollout_logprobs"] = rollout
+    if any(len(row) > 1 for row in rows):
+        batch["attention_mask"] = packed_attention_mask(seg)
     return batch
+
+
+def packed_attention_mask(seg: Tensor) -> Tensor:
+    """[B, 1, S, S] bool, True where attention is NOT allowed (megatron's convention)."""
+    same = seg.unsqueeze(-1) == seg.unsqueeze(-2)
+    causal = torch.ones(seg.shape[-1], seg.shape[-1], dtype=torch.bool).tril()
+    allowed = same & causal & (seg >= 0).unsqueeze(-1)
+    # padding rows attend to themselves only, so no row of the softmax is empty
+    allowed |= torch.eye(seg.shape[-1], dtype=torch.bool)
+    return (~allowed).unsqueeze(1)
+
+
+def token_values(per_seq: Tensor, seg: Tensor) -> Tensor:
+    """Broadcast a per-sample vector [n] onto positions [B, S] (0 on padding)."""
+    out = per_seq[seg.clamp(min=0)]
+    return torch.where(seg >= 0, out, torch.zeros_like(out))
 
 
 def split_evenly(items: Sequence[Any], parts: int) -> list[list[Any]]:
@@ -96,8 +144,17 @@ def split_evenly(items: Sequence[Any], parts: int) -> list[list[Any]]:
 
 
 def micro_batches_for_rank(
-    samples: Sequence[Sample], *, dp_size: int, dp_rank: int, num_micro_batches: int
+    samples: Sequence[Sample],
+    *,
+    dp_size: int,
+    dp_rank: int,
+    num_micro_batches: int,
+    pack: bool = False,
 ) -> list[dict[str, Any]]:
-    """This DP rank's share of the global batch, as collated micro-batches."""
+    """This DP rank's contiguous share of the global batch, as collated micro-batches.
+
+    ``pack`` puts each micro-batch's samples into one packed row.
+    """
     mine = split_evenly(samples, dp_size)[dp_rank]
-    return [collate(part) for part in split_evenly(mine, num_micro_batches)]
+    parts = split_evenly(mine, num_micro_batches)
+    return [collate([part] if pack else [[s] for s in part]) for part in parts]

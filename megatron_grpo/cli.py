@@ -45,13 +45,15 @@ def cmd_check_invariance(args: argparse.Namespace) -> int:
     print(
         f"check-invariance: modes {', '.join(modes)}; layouts (DPxTPxPP) "
         f"{', '.join(map(str, layouts))}; micro-batches {counts}; "
-        f"permutation {'on' if args.permute else 'off'}; tolerance {args.tolerance:g}"
+        f"permutation {'on' if args.permute else 'off'}; packing {'on' if args.pack else 'off'}; "
+        f"tolerance {args.tolerance:g}"
     )
     errors = check(
         layouts,
         modes=modes,
         micro_batch_counts=counts,
         permute=args.permute,
+        pack=args.pack,
         model_cfg=model_cfg,
         timeout=args.timeout,
     )
@@ -93,6 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
         dest="permute",
         action="store_false",
         help="skip the permutation of samples across ranks and micro-batches",
+    )
+    p.add_argument(
+        "--no-pack",
+        dest="pack",
+        action="store_false",
+        help="skip the case with samples packed into one row per micro-batch",
     )
     p.add_argument("--tolerance", type=float, default=1e-5)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per layout launch")

@@ -66,17 +66,25 @@ def default_model() -> ModelConfig:
 
 
 def default_loss(mode: str) -> LossConfig:
-    """Every term switched on, so that each one is checked under the mode's weights."""
+    """Every term switched on, so that each one is checked under the mode's weights.
+
+    Two of the modes use the sequence-level options (GSPO ratio, sequence-level
+    masked importance sampling) so that those paths are checked too.
+    """
+    sequence_level = mode in ("seq-mean-token-mean", "group-token-mean")
     return LossConfig(
         mode=mode,  # type: ignore[arg-type]  # checked by LossConfig
         eps_clip_low=0.2,
         eps_clip_high=0.28,
         dual_clip=3.0,
+        ratio_level="sequence" if sequence_level else "token",
         kl_coef=0.1,
         kl_estimator="k3",
         entropy_coef=0.01,
-        tis_level="token",
-        tis_upper=1.5,
+        tis_level="sequence" if sequence_level else "token",
+        tis_mode="mask" if sequence_level else "truncate",
+        tis_upper=4.0 if sequence_level else 1.5,
+        tis_lower=0.25 if sequence_level else None,
     )
 
 
@@ -124,8 +132,27 @@ def permutation(num_samples: int, seed: int = 1) -> list[int]:
     return torch.randperm(num_samples, generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def case_name(mode: str, num_micro_batches: int, permuted: bool) -> str:
-    return f"{mode}/mb{num_micro_batches}/{'perm' if permuted else 'orig'}"
+@dataclass(frozen=True)
+class Variant:
+    """How the global batch is laid out on a rank: micro-batch count, order, packing."""
+
+    num_micro_batches: int
+    permuted: bool = False
+    packed: bool = False
+
+    def __str__(self) -> str:
+        order = "perm" if self.permuted else "orig"
+        return f"mb{self.num_micro_batches}/{order}" + ("/packed" if self.packed else "")
+
+
+def variants(micro_batch_counts: list[int], permute: bool, pack: bool) -> list[Variant]:
+    """Each micro-batch count in order; then permuted; then permuted and packed."""
+    out = [Variant(n) for n in micro_batch_counts]
+    if permute:
+        out += [Variant(n, permuted=True) for n in micro_batch_counts]
+    if pack:
+        out.append(Variant(micro_batch_counts[-1], permuted=permute, packed=True))
+    return out
 
 
 def run_layout(
@@ -136,6 +163,7 @@ def run_layout(
     modes: list[str],
     micro_batch_counts: list[int],
     permute: bool,
+    pack: bool = True,
     init_state: dict[str, torch.Tensor] | None,
     lr: float = 0.5,
 ) -> dict[str, Any] | None:
@@ -157,20 +185,23 @@ def run_layout(
         init_state = _broadcast_object(init_state)
     samples, offsets = fixed_batch(model_cfg.vocab_size)
     results: dict[str, Any] = {"init_state": init_state, "cases": {}}
-    orders = [False, True] if permute else [False]
-    for mode, num_mb, permuted in itertools.product(modes, micro_batch_counts, orders):
+    for mode, variant in itertools.product(modes, variants(micro_batch_counts, permute, pack)):
         load_full_state(model, init_state)
         zero_grads(model)
         optimizer.zero_grad()
-        ordered = [samples[i] for i in permutation(len(samples))] if permuted else samples
+        order = permutation(len(samples)) if variant.permuted else range(len(samples))
         mbs = micro_batches_for_rank(
-            ordered, dp_size=ctx.dp_size, dp_rank=ctx.dp_rank, num_micro_batches=num_mb
+            [samples[i] for i in order],
+            dp_size=ctx.dp_size,
+            dp_rank=ctx.dp_rank,
+            num_micro_batches=variant.num_micro_batches,
+            pack=variant.packed,
         )
         compute_logprobs(model, ctx, mbs, vocab_size=model_cfg.vocab_size)
         if ctx.is_last_stage:
             for mb in mbs:
-                width = mb["tokens"].shape[1]
-                drift = {k: v[mb["sample_ids"], :width] for k, v in offsets.items()}
+                sample = mb["sample_ids"][mb["seg"].clamp(min=0)]
+                drift = {k: v[sample, mb["position_ids"]] for k, v in offsets.items()}
                 mb["ref_logprobs"] = mb["old_logprobs"] + drift["ref_logprobs"]
                 mb["rollout_logprobs"] = mb["old_logprobs"] + drift["rollout_logprobs"]
                 mb["old_logprobs"] = mb["old_logprobs"] + drift["old_logprobs"]
@@ -185,7 +216,7 @@ def run_layout(
         params = gather_full_state(model, ctx, vocab_size=model_cfg.vocab_size)
         if ctx.is_main:
             assert grads is not None and params is not None
-            results["cases"][case_name(mode, num_mb, permuted)] = {
+            results["cases"][f"{mode}/{variant}"] = {
                 "grad": grads,
                 "update": {k: params[k] - init_state[k] for k in params},
                 "grad_norm": float(grad_norm),
@@ -224,6 +255,7 @@ def check(
     modes: list[str],
     micro_batch_counts: list[int],
     permute: bool = True,
+    pack: bool = True,
     model_cfg: ModelConfig | None = None,
     timeout: float = 600.0,
     log=print,
@@ -243,6 +275,7 @@ def check(
         modes=modes,
         micro_batch_counts=micro_batch_counts,
         permute=permute,
+        pack=pack,
         **(worker_kwargs or {}),
     )
     target = worker or f"{__name__}:run_layout"
@@ -253,7 +286,8 @@ def check(
         return next(r for r in results if r is not None)
 
     reference = launch(Layout(1, 1, 1), None)
-    baseline = {m: reference["cases"][case_name(m, micro_batch_counts[0], False)] for m in modes}
+    first = Variant(micro_batch_counts[0])
+    baseline = {m: reference["cases"][f"{m}/{first}"] for m in modes}
     errors: dict[str, dict[str, dict[str, float]]] = {}
     for layout in [Layout(1, 1, 1)] + [x for x in layouts if x != Layout(1, 1, 1)]:
         cases = reference if layout == Layout(1, 1, 1) else launch(layout, reference["init_state"])

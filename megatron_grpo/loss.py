@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megatron_grpo import policy_loss
+from megatron_grpo.batch import token_values
 from megatron_grpo.config import LossConfig
 from megatron_grpo.logprobs import vocab_parallel_logprobs
 from megatron_grpo.normalization import global_counts, sequence_weights
@@ -35,9 +36,12 @@ METRIC_SUMS = ("tokens", "clipped", "kl", "entropy", "mismatch", "is_rejected")
 """Per-micro-batch sums over loss tokens returned as metrics (divide by "tokens")."""
 
 
-def scaled_loss(per_token: Tensor, mask: Tensor, weights: Tensor) -> Tensor:
-    """sum_i w_i sum_t mask_{i,t} l_{i,t}: the only place a loss is scaled."""
-    return (per_token * mask).sum(dim=-1).mul(weights.to(per_token.dtype)).sum()
+def scaled_loss(per_token: Tensor, mask: Tensor, token_weights: Tensor) -> Tensor:
+    """sum_i w_i sum_t mask_{i,t} l_{i,t}: the only place a loss is scaled.
+
+    ``token_weights`` holds w_i at every position of sample i (``batch.token_values``).
+    """
+    return (per_token * mask * token_weights.to(per_token.dtype)).sum()
 
 
 def set_loss_weights(
@@ -76,7 +80,8 @@ def grpo_loss(
     vocab_size: int,
 ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
     """Loss of one micro-batch for megatron-core's schedule: (loss, num_tokens, metric sums)."""
-    mask = batch["loss_mask"]
+    mask, seg = batch["loss_mask"], batch["seg"]
+    num_seqs = len(batch["seq_tokens"])
     logp, entropy = vocab_parallel_logprobs(
         logits,
         batch["targets"],
@@ -89,7 +94,7 @@ def grpo_loss(
         old_logp = logp.detach()
     log_ratio = logp - old_logp
     if cfg.ratio_level == "sequence":
-        log_ratio = policy_loss.gspo_log_ratio(log_ratio, mask)
+        log_ratio = policy_loss.gspo_log_ratio(log_ratio, mask, seg, num_seqs)
     per_token, clipped = policy_loss.ppo_clip_loss(
         log_ratio,
         batch["advantages"],
@@ -107,6 +112,8 @@ def grpo_loss(
                 old_logp,
                 rollout_logp,
                 mask,
+                seg,
+                num_seqs,
                 level=cfg.tis_level,
                 mode=cfg.tis_mode,
                 upper=cfg.tis_upper,
@@ -120,7 +127,7 @@ def grpo_loss(
     assert entropy is not None
     if cfg.entropy_coef:
         per_token = per_token - cfg.entropy_coef * entropy
-    loss = scaled_loss(per_token, mask, batch["loss_weights"])
+    loss = scaled_loss(per_token, mask, token_values(batch["loss_weights"], seg))
     num_tokens = mask.sum()
     with torch.no_grad():
         metrics = {

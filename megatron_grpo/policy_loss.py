@@ -48,16 +48,26 @@ def ppo_clip_loss(
     return loss, was_clipped.to(loss.dtype)
 
 
-def gspo_log_ratio(log_ratio: Tensor, mask: Tensor) -> Tensor:
+def segment_sum(values: Tensor, seg: Tensor, num_segments: int) -> Tensor:
+    """Sum [B, S] values per sample: seg maps positions to sample index, -1 = padding."""
+    keep = seg >= 0
+    out = values.new_zeros(num_segments)
+    return out.index_add(0, seg[keep], values[keep])
+
+
+def gspo_log_ratio(log_ratio: Tensor, mask: Tensor, seg: Tensor, num_seqs: int) -> Tensor:
     """GSPO's sequence-level log-ratio, broadcast to tokens with a per-token gradient.
 
-    s_i = mean over loss tokens of (logp - old_logp); the value at every token
-    is s_i, and its gradient flows through each token's logp as in GSPO-token:
-    sg(s_i) + logp_t - sg(logp_t). Rows without loss tokens get 0.
+    s_i = mean over sample i's loss tokens of (logp - old_logp); every token
+    of sample i gets the value s_i, and its gradient flows through each
+    token's logp as in GSPO-token: sg(s_i) + log_ratio_t - sg(log_ratio_t).
+    Samples without loss tokens get 0.
     """
-    num_tokens = mask.sum(dim=-1, keepdim=True)
-    seq = (log_ratio * mask).sum(dim=-1, keepdim=True) / num_tokens.clamp(min=1)
-    return seq.detach() + log_ratio - log_ratio.detach()
+    total = segment_sum(log_ratio * mask, seg, num_seqs)
+    count = segment_sum(mask, seg, num_seqs)
+    seq = (total / count.clamp(min=1)).detach()
+    per_token = torch.where(seg >= 0, seq[seg.clamp(min=0)], torch.zeros_like(log_ratio))
+    return per_token + log_ratio - log_ratio.detach()
 
 
 def kl_penalty(logp: Tensor, ref_logp: Tensor, estimator: Literal["k1", "k2", "k3"]) -> Tensor:
@@ -77,6 +87,8 @@ def importance_weights(
     old_logp: Tensor,
     rollout_logp: Tensor,
     mask: Tensor,
+    seg: Tensor,
+    num_seqs: int,
     *,
     level: Literal["token", "sequence"],
     mode: Literal["truncate", "mask"],
@@ -86,7 +98,7 @@ def importance_weights(
     """Truncated importance weights pi_old / pi_rollout correcting the engine mismatch.
 
     Token level uses each token's ratio; sequence level uses the product over
-    the sequence's loss tokens (one weight per row, broadcast). "truncate"
+    the sample's loss tokens (one weight per sample, broadcast via ``seg``). "truncate"
     caps the weight at ``upper`` (TIS); "mask" zeroes tokens whose weight lies
     outside [lower, upper]. Returns (weights, rejected) where ``rejected`` is
     1.0 on loss tokens that were truncated or masked. Weights carry no gradient.
@@ -97,7 +109,8 @@ def importance_weights(
         )
     log_w = (old_logp - rollout_logp).detach() * mask
     if level == "sequence":
-        log_w = log_w.sum(dim=-1, keepdim=True).expand_as(mask)
+        per_seq = segment_sum(log_w, seg, num_seqs)
+        log_w = torch.where(seg >= 0, per_seq[seg.clamp(min=0)], torch.zeros_like(log_w))
     elif level != "token":
         raise ValueError(f"unknown importance-sampling level {level!r}")
     w = log_w.exp()

@@ -148,7 +148,7 @@ def toy_constant_loss(num_sequences_per_rank: int) -> dict:
         counts = global_counts(n, g, 3, group=dist.group.WORLD)
         w = sequence_weights(mode, counts, n, g, max_len=8)
         mask = (torch.arange(8)[None, :] < n[:, None]).float()
-        loss = scaled_loss(theta * torch.ones_like(mask), mask, w)
+        loss = scaled_loss(theta * torch.ones_like(mask), mask, w[:, None].expand_as(mask))
         loss.backward()
         total = torch.stack([loss.detach(), theta.grad])
         dist.all_reduce(total)

@@ -41,8 +41,8 @@ def test_tool_output_is_not_counted_trl_6439_slime_365():
         group=0,
         sample_id=0,
     )
-    assert collate([s])["seq_tokens"].tolist() == [3.0]
-    assert local_counts(collate([s])["seq_tokens"], torch.tensor([0]), 1)[0] == 3
+    assert collate([[s]])["seq_tokens"].tolist() == [3.0]
+    assert local_counts(collate([[s]])["seq_tokens"], torch.tensor([0]), 1)[0] == 3
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -86,7 +86,7 @@ def test_side_losses_use_the_policy_weights_megatron_1532():
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
     pg = torch.tensor([[0.5, -0.5, 9.0], [1.0, 2.0, 3.0]])
     kl = torch.tensor([[0.1, 0.2, 9.0], [0.3, 0.4, 0.5]])
-    w = torch.tensor([0.2, 0.1], dtype=torch.float64)
+    w = torch.tensor([[0.2], [0.1]], dtype=torch.float64).expand(2, 3)
     both = scaled_loss(pg + 0.5 * kl, mask, w)
     assert float(both) == pytest.approx(
         float(scaled_loss(pg, mask, w) + 0.5 * scaled_loss(kl, mask, w))

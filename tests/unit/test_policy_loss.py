@@ -45,8 +45,14 @@ def test_gradient_of_unclipped_surrogate_is_minus_advantage():
 def test_gspo_sequence_ratio():
     log_ratio = torch.tensor([[0.1, 0.3, 9.0], [0.0, 0.0, 0.0]], requires_grad=True)
     mask = torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0]])
-    seq = gspo_log_ratio(log_ratio, mask)
+    seg = torch.tensor([[0, 0, 0], [1, 1, -1]])
+    seq = gspo_log_ratio(log_ratio, mask, seg, 2)
     torch.testing.assert_close(seq.detach(), torch.tensor([[0.2, 0.2, 0.2], [0.0, 0.0, 0.0]]))
+    # two samples packed in one row: each gets its own mean
+    packed = gspo_log_ratio(
+        torch.tensor([[0.1, 0.3, 1.0, 2.0]]), torch.ones(1, 4), torch.tensor([[0, 0, 1, 1]]), 2
+    )
+    torch.testing.assert_close(packed, torch.tensor([[0.2, 0.2, 1.5, 1.5]]))
     (seq * mask).sum().backward()  # per-token gradient flows through each token
     torch.testing.assert_close(log_ratio.grad, mask)
 
@@ -68,17 +74,20 @@ def test_truncated_importance_sampling_token_and_sequence():
     old = torch.tensor([[-1.0, -1.0, -1.0]])
     rollout = torch.tensor([[-1.0 - math.log(3.0), -1.0, -1.0 + math.log(2.0)]])
     mask = torch.ones(1, 3)
-    w, rejected = importance_weights(old, rollout, mask, level="token", mode="truncate", upper=2.0)
+    seg = torch.zeros(1, 3, dtype=torch.long)
+    w, rejected = importance_weights(
+        old, rollout, mask, seg, 1, level="token", mode="truncate", upper=2.0
+    )
     torch.testing.assert_close(w, torch.tensor([[2.0, 1.0, 0.5]]))
     assert rejected.tolist() == [[1.0, 0.0, 0.0]]
     w, rejected = importance_weights(
-        old, rollout, mask, level="token", mode="mask", upper=2.0, lower=0.6
+        old, rollout, mask, seg, 1, level="token", mode="mask", upper=2.0, lower=0.6
     )
     torch.testing.assert_close(w, torch.tensor([[0.0, 1.0, 0.0]]))
     assert rejected.tolist() == [[1.0, 0.0, 1.0]]
     # Sequence level: the product 3 * 1 * 0.5 = 1.5 for every token.
     w, rejected = importance_weights(
-        old, rollout, mask, level="sequence", mode="truncate", upper=2.0
+        old, rollout, mask, seg, 1, level="sequence", mode="truncate", upper=2.0
     )
     torch.testing.assert_close(w, torch.full((1, 3), 1.5))
     assert rejected.sum() == 0
