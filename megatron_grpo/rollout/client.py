@@ -1,0 +1,435 @@
+"""Async HTTP client for SGLang's native API (or the embedded server, which speaks the same).
+
+One ``/generate`` request per sample (see ``protocol.py``), spread round-robin
+over the servers, at most ``max_concurrency`` at a time. Each request has a
+timeout; connection failures and HTTP 5xx are retried with exponential
+backoff on the next server, HTTP 4xx is not retried. A batch in which some
+samples fail raises ``RolloutBatchError`` carrying the samples that finished.
+
+Every wait is bounded: a generation by ``request_timeout_s``, a control call
+by ``control_timeout_s`` (``weight_update_timeout_s`` for weight updates).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import aiohttp
+
+from megatron_grpo.rollout.errors import (
+    RolloutBatchError,
+    RolloutError,
+    RolloutHTTPError,
+    RolloutProtocolError,
+    RolloutTimeoutError,
+    SampleFailure,
+    ServerUnavailableError,
+)
+from megatron_grpo.rollout.protocol import build_generate_payload, parse_generate_response
+from megatron_grpo.rollout.types import RolloutRequest, Sample
+
+logger = logging.getLogger(__name__)
+
+PauseMode = Literal["abort", "retract", "in_place"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClientConfig:
+    """Where the servers are and how patiently to talk to them."""
+
+    urls: tuple[str, ...]
+    """Base URLs of the servers (or of one sglang-router), e.g. ``http://127.0.0.1:30000``."""
+    max_concurrency: int = 64
+    """Most ``/generate`` requests in flight at once, over all servers."""
+    request_timeout_s: float = 600.0
+    """Limit for one ``/generate`` request, from sending to the whole answer."""
+    connect_timeout_s: float = 10.0
+    """Limit for opening a connection; a connect timeout is retried like a refusal."""
+    control_timeout_s: float = 60.0
+    """Limit for health, cache, pause, abort and info calls."""
+    weight_update_timeout_s: float = 600.0
+    """Limit for the weight-update calls, which may wait for running requests."""
+    max_retries: int = 3
+    """Retries after the first attempt, on connection errors and HTTP 5xx."""
+    backoff_initial_s: float = 0.5
+    """Wait before the first retry; it doubles on each further retry."""
+    backoff_max_s: float = 8.0
+    """Longest wait between retries."""
+
+    def __post_init__(self) -> None:
+        if not self.urls:
+            raise ValueError("ClientConfig.urls is empty: give at least one server URL")
+        for url in self.urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"server URL must start with http:// or https://, got {url!r}")
+        if self.max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
+        if self.max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
+        timeouts = {
+            "request_timeout_s": self.request_timeout_s,
+            "connect_timeout_s": self.connect_timeout_s,
+            "control_timeout_s": self.control_timeout_s,
+            "weight_update_timeout_s": self.weight_update_timeout_s,
+        }
+        for name, value in timeouts.items():
+            if not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
+
+
+def backoff_delay_s(retry: int, *, initial_s: float, max_s: float) -> float:
+    """Wait before retry number ``retry`` (0-based): initial, 2x, 4x, ... capped at max."""
+    return min(max_s, initial_s * 2.0**retry)
+
+
+class _Retryable(Exception):
+    """One attempt failed in a way worth trying again (connection error or HTTP 5xx)."""
+
+    def __init__(self, error: RolloutError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+class SGLangClient:
+    """A client for one or more servers; use as ``async with SGLangClient(config) as client``."""
+
+    def __init__(self, config: ClientConfig) -> None:
+        self.config = config
+        self._urls = tuple(url.rstrip("/") for url in config.urls)
+        self._next_url = itertools.cycle(range(len(self._urls)))
+        self._session: aiohttp.ClientSession | None = None
+        self._semaphore = asyncio.Semaphore(config.max_concurrency)
+        self._in_flight: dict[str, str] = {}  # rid -> url now generating it
+        self._background: set[asyncio.Task[None]] = set()
+
+    @property
+    def urls(self) -> tuple[str, ...]:
+        return self._urls
+
+    async def __aenter__(self) -> SGLangClient:
+        # No connection limit here: the semaphore bounds /generate, and an abort
+        # or pause must never queue behind the generations it is meant to stop.
+        connector = aiohttp.TCPConnector(limit=0)
+        self._session = aiohttp.ClientSession(connector=connector)
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._background:
+            await asyncio.wait(self._background, timeout=self.config.control_timeout_s)
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    # ---- generation ----
+
+    async def generate(self, request: RolloutRequest) -> list[Sample]:
+        """All samples of ``request``, prompt-major (prompt 0's samples first).
+
+        Raises RolloutBatchError when any sample fails; its ``completed`` holds
+        the samples that did finish. Samples aborted on the server (pause,
+        ``abort_all``) come back normally with finish type ``abort``.
+        """
+        batch_id = uuid.uuid4().hex[:12]
+        keys = [(p, s) for p in range(len(request.prompts)) for s in range(request.num_samples)]
+        outcomes = await asyncio.gather(
+            *(self._generate_sample(request, p, s, batch_id) for p, s in keys),
+            return_exceptions=True,
+        )
+        completed: list[Sample] = []
+        failures: list[SampleFailure] = []
+        for (p, s), outcome in zip(keys, outcomes):
+            if isinstance(outcome, Sample):
+                completed.append(outcome)
+            elif isinstance(outcome, RolloutError):
+                failures.append(SampleFailure(p, s, outcome))
+            else:
+                raise outcome  # a bug, not a server failure: do not hide it
+        if failures:
+            raise RolloutBatchError(completed, failures)
+        return completed
+
+    async def _generate_sample(
+        self, request: RolloutRequest, prompt_index: int, sample_index: int, batch_id: str
+    ) -> Sample:
+        prompt = request.prompts[prompt_index]
+        seed = request.sample_seed(prompt_index, sample_index)
+        last_error: RolloutError | None = None
+        attempts = self.config.max_retries + 1
+        first_server = next(self._next_url)
+        for attempt in range(attempts):
+            if attempt > 0:
+                await asyncio.sleep(
+                    backoff_delay_s(
+                        attempt - 1,
+                        initial_s=self.config.backoff_initial_s,
+                        max_s=self.config.backoff_max_s,
+                    )
+                )
+            # A fresh rid per attempt: the server may still hold the previous one.
+            rid = f"{batch_id}-p{prompt_index}-s{sample_index}-a{attempt}"
+            payload = build_generate_payload(prompt, request.sampling, rid=rid, seed=seed)
+            # Round-robin for the first attempt; each retry moves to the next server.
+            url = self._urls[(first_server + attempt) % len(self._urls)]
+            try:
+                async with self._semaphore:
+                    answer = await self._post_generate(url, payload, rid)
+            except _Retryable as retryable:
+                last_error = retryable.error
+                logger.warning("attempt %d/%d failed: %s", attempt + 1, attempts, last_error)
+                continue
+            result = parse_generate_response(answer)
+            return Sample(
+                prompt_index=prompt_index,
+                sample_index=sample_index,
+                prompt_ids=tuple(prompt),
+                output_ids=result.output_ids,
+                rollout_logprobs=result.logprobs,
+                finish_reason=result.finish_reason,
+                weight_version=result.weight_version,
+            )
+        assert last_error is not None
+        if isinstance(last_error, RolloutHTTPError):
+            raise RolloutHTTPError(
+                url=last_error.url,
+                status=last_error.status,
+                body=last_error.body,
+                attempts=attempts,
+            )
+        raise ServerUnavailableError(f"gave up after {attempts} attempts: {last_error}")
+
+    async def _post_generate(self, url: str, payload: dict[str, Any], rid: str) -> Any:
+        """One attempt; raises _Retryable, or a final RolloutError."""
+        timeout = aiohttp.ClientTimeout(
+            total=self.config.request_timeout_s, sock_connect=self.config.connect_timeout_s
+        )
+        self._in_flight[rid] = url
+        try:
+            async with self._require_session().post(
+                f"{url}/generate", json=payload, timeout=timeout
+            ) as response:
+                text = await response.text()
+                status = response.status
+        except aiohttp.ConnectionTimeoutError as err:
+            raise _Retryable(ServerUnavailableError(f"{url}: connect timed out ({err})")) from err
+        except asyncio.TimeoutError as err:  # builtin TimeoutError only from Python 3.11
+            self._abort_in_background(url, rid)
+            raise RolloutTimeoutError(
+                f"{url}/generate rid={rid} took longer than "
+                f"request_timeout_s={self.config.request_timeout_s}; asked the server to abort it"
+            ) from err
+        except aiohttp.ClientError as err:
+            # Refused, reset, or cut off mid-answer (the server died): try again.
+            raise _Retryable(ServerUnavailableError(f"{url}: {type(err).__name__}: {err}")) from err
+        except asyncio.CancelledError:
+            self._abort_in_background(url, rid)
+            raise
+        finally:
+            self._in_flight.pop(rid, None)
+        if status >= 500:
+            raise _Retryable(RolloutHTTPError(url=f"{url}/generate", status=status, body=text))
+        if status >= 400:
+            raise RolloutHTTPError(url=f"{url}/generate", status=status, body=text)
+        return _loads(text, f"{url}/generate")
+
+    # ---- abort ----
+
+    async def abort_request(self, rid: str, *, url: str | None = None) -> None:
+        """Abort one request: on its server when in flight here, else on ``url`` or all."""
+        target = url or self._in_flight.get(rid)
+        urls = (target,) if target else self._urls
+        await self._fan_out("POST", "/abort_request", {"rid": rid}, urls=urls)
+
+    async def abort_all(self) -> None:
+        """Abort every request on every server; they finish with type ``abort``."""
+        await self._fan_out("POST", "/abort_request", {"abort_all": True})
+
+    def in_flight_rids(self) -> list[str]:
+        """The rids of ``/generate`` requests now waiting for an answer."""
+        return list(self._in_flight)
+
+    def _abort_in_background(self, url: str, rid: str) -> None:
+        # A cancelled or timed-out request may still be running on the server.
+        task = asyncio.get_running_loop().create_task(self._abort_quietly(url, rid))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _abort_quietly(self, url: str, rid: str) -> None:
+        try:
+            await self._call("POST", url, "/abort_request", {"rid": rid})
+        except RolloutError as err:
+            logger.warning("could not abort rid=%s on %s: %s", rid, url, err)
+
+    # ---- control ----
+
+    async def health_generate(self) -> dict[str, bool]:
+        """Per server: did ``/health_generate`` (a one-token generation) answer 200?"""
+        results = await asyncio.gather(
+            *(self._call("GET", url, "/health_generate") for url in self._urls),
+            return_exceptions=True,
+        )
+        return {url: not isinstance(r, BaseException) for url, r in zip(self._urls, results)}
+
+    async def flush_cache(self) -> None:
+        await self._fan_out("POST", "/flush_cache", None)
+
+    async def pause_generation(self, mode: PauseMode = "abort") -> None:
+        """Stop generating on every server; ``abort`` (SGLang's default) ends running requests."""
+        await self._fan_out("POST", "/pause_generation", {"mode": mode})
+
+    async def continue_generation(self) -> None:
+        await self._fan_out("POST", "/continue_generation", {})
+
+    async def begin_weight_update(self) -> None:
+        """Open a weight-update session (SGLang 0.5.23 refuses tensor updates outside one)."""
+        await self._fan_out("POST", "/begin_weight_update", {}, weight_update=True)
+
+    async def end_weight_update(self) -> None:
+        await self._fan_out("POST", "/end_weight_update", {}, weight_update=True)
+
+    async def update_weights_from_disk(
+        self, model_path: str, *, weight_version: str, load_format: str | None = None
+    ) -> None:
+        """Every server loads the HF checkpoint at ``model_path`` and reports ``weight_version``."""
+        body: dict[str, Any] = {"model_path": model_path, "weight_version": weight_version}
+        if load_format is not None:
+            body["load_format"] = load_format
+        await self._fan_out("POST", "/update_weights_from_disk", body, weight_update=True)
+
+    async def update_weights_from_tensor(self, payload: Mapping[str, Any], *, url: str) -> None:
+        """Send an already built ``/update_weights_from_tensor`` body to one server."""
+        await self._call(
+            "POST", url, "/update_weights_from_tensor", dict(payload), weight_update=True
+        )
+
+    async def init_weights_update_group(
+        self,
+        *,
+        url: str,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str,
+    ) -> None:
+        """Ask one server to join the trainer's process group (the trainer is rank 0).
+
+        The server blocks until the trainer joins too, so start this call as a
+        task and join the group before awaiting it.
+        """
+        body = {
+            "master_address": master_address,
+            "master_port": master_port,
+            "rank_offset": rank_offset,
+            "world_size": world_size,
+            "group_name": group_name,
+            "backend": backend,
+        }
+        await self._call("POST", url, "/init_weights_update_group", body, weight_update=True)
+
+    async def update_weights_from_distributed(
+        self,
+        *,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        group_name: str,
+        weight_version: str,
+    ) -> None:
+        """Announce tensors that the trainer then broadcasts; start as a task, then broadcast."""
+        body = {
+            "names": list(names),
+            "dtypes": list(dtypes),
+            "shapes": [list(s) for s in shapes],
+            "group_name": group_name,
+            "weight_version": weight_version,
+        }
+        await self._fan_out("POST", "/update_weights_from_distributed", body, weight_update=True)
+
+    async def destroy_weights_update_group(self, group_name: str) -> None:
+        body = {"group_name": group_name}
+        await self._fan_out("POST", "/destroy_weights_update_group", body, weight_update=True)
+
+    async def model_info(self, url: str | None = None) -> dict[str, Any]:
+        return await self._call("GET", url or self._urls[0], "/model_info")
+
+    async def server_info(self, url: str | None = None) -> dict[str, Any]:
+        return await self._call("GET", url or self._urls[0], "/server_info")
+
+    # ---- plumbing ----
+
+    def _require_session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError("SGLangClient is not open: use `async with SGLangClient(...)`")
+        return self._session
+
+    async def _fan_out(
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None,
+        *,
+        urls: Sequence[str] | None = None,
+        weight_update: bool = False,
+    ) -> dict[str, Any]:
+        """Call every server concurrently; raise the first failure once all have answered."""
+        targets = tuple(urls or self._urls)
+        results = await asyncio.gather(
+            *(self._call(method, u, path, body, weight_update=weight_update) for u in targets),
+            return_exceptions=True,
+        )
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        return dict(zip(targets, results))
+
+    async def _call(
+        self,
+        method: str,
+        url: str,
+        path: str,
+        body: dict[str, Any] | None = None,
+        *,
+        weight_update: bool = False,
+    ) -> Any:
+        """One control request, not retried: JSON answer (or text), or a RolloutError."""
+        limit = (
+            self.config.weight_update_timeout_s if weight_update else self.config.control_timeout_s
+        )
+        timeout = aiohttp.ClientTimeout(total=limit, sock_connect=self.config.connect_timeout_s)
+        try:
+            async with self._require_session().request(
+                method, f"{url}{path}", json=body, timeout=timeout
+            ) as response:
+                text = await response.text()
+                status = response.status
+                is_json = response.content_type == "application/json"
+        except aiohttp.ConnectionTimeoutError as err:
+            raise ServerUnavailableError(f"{url}{path}: connect timed out ({err})") from err
+        except asyncio.TimeoutError as err:  # builtin TimeoutError only from Python 3.11
+            raise RolloutTimeoutError(f"{url}{path} took longer than {limit} s") from err
+        except aiohttp.ClientError as err:
+            raise ServerUnavailableError(f"{url}{path}: {type(err).__name__}: {err}") from err
+        if status >= 400:
+            raise RolloutHTTPError(url=f"{url}{path}", status=status, body=text)
+        answer = _loads(text, f"{url}{path}") if is_json and text else text
+        if isinstance(answer, dict) and answer.get("success") is False:
+            raise RolloutHTTPError(url=f"{url}{path}", status=status, body=text)
+        return answer
+
+
+def _loads(text: str, where: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise RolloutProtocolError(f"{where} answered non-JSON: {text[:200]!r}") from err
