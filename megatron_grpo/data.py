@@ -1,0 +1,354 @@
+"""Prompt datasets: rows from jsonl / parquet files, tokenized once, sampled by seeded epochs.
+
+``PromptDataset`` reads every row up front, applies the chat template,
+tokenizes, and keeps the prompts that fit ``max_prompt_length``. A bad row is
+reported (file, line, reason) and skipped, never fatal: one malformed line in
+a million-row file should not stop a run. Only a dataset with no usable row
+is an error.
+
+``PromptSampler`` walks the dataset in epochs whose order depends only on
+``(seed, epoch)``, so its whole state is ``{epoch, position, seed}`` and a
+resumed run draws exactly the batches the uninterrupted run would have.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+SUFFIXES = (".jsonl", ".parquet")
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Where the prompts come from and how they become token ids."""
+
+    path: str | list[str] = field(default_factory=list)
+    """A .jsonl or .parquet file, or a list of them (read in order)."""
+    prompt_key: str = "prompt"
+    """Column holding the prompt: a string, or a list of {role, content} messages."""
+    label_key: str = "label"
+    """Column holding the reference answer handed to the reward function."""
+    require_label: bool = True
+    """Skip (and report) rows without a label; False gives such rows label None."""
+    apply_chat_template: bool = True
+    """Render prompts with the tokenizer's chat template (a string becomes one user message)."""
+    system_prompt: str | None = None
+    """System message put before string prompts and message lists that have none."""
+    max_prompt_length: int | None = None
+    """Longest prompt kept, in tokens after templating; None keeps every prompt."""
+    shuffle: bool = True
+    """Shuffle each epoch (the order depends only on seed and epoch)."""
+    seed: int = 1234
+    """Seed of the per-epoch shuffle."""
+
+    def __post_init__(self) -> None:
+        for p in self.paths:
+            if not p.endswith(SUFFIXES):
+                raise ValueError(f"data.path {p!r} must end in .jsonl or .parquet")
+        if not self.prompt_key:
+            raise ValueError("data.prompt_key must not be empty")
+        if self.max_prompt_length is not None and self.max_prompt_length < 1:
+            raise ValueError(f"data.max_prompt_length must be >= 1, got {self.max_prompt_length}")
+        if self.seed < 0:
+            raise ValueError(f"data.seed must be >= 0, got {self.seed}")
+        if self.system_prompt is not None and not self.apply_chat_template:
+            # Without a template there is nowhere to put a system message.
+            raise ValueError("data.system_prompt needs data.apply_chat_template=true")
+
+    @property
+    def paths(self) -> list[str]:
+        return [self.path] if isinstance(self.path, str) else list(self.path)
+
+
+@dataclass(frozen=True)
+class PromptItem:
+    """One usable prompt."""
+
+    index: int
+    """Position in the dataset (over all files, after skipping bad and long rows)."""
+    prompt_ids: list[int]
+    prompt_text: str
+    """The text the ids encode (after templating)."""
+    label: Any
+    metadata: dict[str, Any]
+    """The row's other columns, passed through to the reward function."""
+
+
+class Problem(NamedTuple):
+    """A row that was skipped; ``line`` is the 1-based line (jsonl) or row (parquet)."""
+
+    file: str
+    line: int
+    reason: str
+
+
+class RowError(ValueError):
+    """A row cannot be used; the message says why."""
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def read_rows(path: str) -> Iterator[tuple[int, dict[str, Any] | RowError]]:
+    """``(line, row)`` for each row of a file, or ``(line, RowError)`` for an unreadable one."""
+    if path.endswith(".parquet"):
+        yield from _read_parquet(path)
+    else:
+        yield from _read_jsonl(path)
+
+
+def _read_jsonl(path: str) -> Iterator[tuple[int, dict[str, Any] | RowError]]:
+    # Binary mode: a text-mode reader would fail the whole file on the first bad byte.
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield line_no, RowError(f"invalid UTF-8 at byte {e.start}")
+                continue
+            try:
+                row = json.loads(text)
+            except json.JSONDecodeError as e:
+                yield line_no, RowError(f"invalid JSON: {e.msg} at column {e.colno}")
+                continue
+            if not isinstance(row, dict):
+                yield line_no, RowError(f"expected a JSON object, got {type(row).__name__}")
+                continue
+            yield line_no, row
+
+
+def _read_parquet(path: str) -> Iterator[tuple[int, dict[str, Any] | RowError]]:
+    import pyarrow.parquet as pq  # only parquet users need pyarrow
+
+    yield from enumerate(pq.read_table(path).to_pylist(), start=1)
+
+
+# --------------------------------------------------------------------------- prompts
+
+
+def to_messages(prompt: Any, system_prompt: str | None) -> list[dict[str, str]]:
+    """The chat a prompt stands for: a string is one user message, a list is used as is."""
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise RowError("empty prompt")
+        messages = [{"role": "user", "content": prompt}]
+    elif isinstance(prompt, list):
+        if not prompt:
+            raise RowError("empty prompt (no messages)")
+        for i, m in enumerate(prompt):
+            if not (
+                isinstance(m, Mapping)
+                and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str)
+            ):
+                raise RowError(f"message {i} is not a {{role, content}} mapping of strings")
+        messages = [{"role": m["role"], "content": m["content"]} for m in prompt]
+        if not any(m["content"].strip() for m in messages):
+            raise RowError("empty prompt (every message is empty)")
+    else:
+        raise RowError(
+            f"prompt must be a string or a list of messages, got {type(prompt).__name__}"
+        )
+    if system_prompt is not None and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    return messages
+
+
+def encode_prompt(
+    prompt: Any, tokenizer: PreTrainedTokenizerBase, config: DataConfig
+) -> tuple[list[int], str]:
+    """``(ids, text)`` of a prompt, templated or not as the config says."""
+    if not config.apply_chat_template:
+        if not isinstance(prompt, str):
+            raise RowError(
+                f"prompt is a {type(prompt).__name__}; only string prompts work "
+                "with data.apply_chat_template=false"
+            )
+        if not prompt.strip():
+            raise RowError("empty prompt")
+        return list(tokenizer(prompt)["input_ids"]), prompt
+    from jinja2 import TemplateError  # installed with transformers' chat-template support
+
+    messages = to_messages(prompt, config.system_prompt)
+    try:
+        # return_dict=False: transformers 5 returns a BatchEncoding by default, 4.x a list.
+        ids: Any = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except TemplateError as e:  # templates reject some chats, e.g. roles out of order
+        raise RowError(f"chat template failed: {e}") from None
+    return [int(i) for i in ids], str(text)
+
+
+def split_row(row: dict[str, Any], config: DataConfig) -> tuple[Any, Any, dict[str, Any]]:
+    """``(prompt, label, metadata)`` of a row, or a RowError naming the missing field."""
+    if config.prompt_key not in row or row[config.prompt_key] is None:
+        raise RowError(f"missing prompt key {config.prompt_key!r}")
+    label = row.get(config.label_key)
+    if label is None and config.require_label:
+        raise RowError(f"missing label key {config.label_key!r}")
+    metadata = {k: v for k, v in row.items() if k not in (config.prompt_key, config.label_key)}
+    return row[config.prompt_key], label, metadata
+
+
+class PromptDataset:
+    """Every usable prompt of the configured files, tokenized.
+
+    ``problems`` lists the skipped rows; ``num_too_long`` counts the prompts
+    dropped by ``max_prompt_length``.
+    """
+
+    def __init__(self, config: DataConfig, tokenizer: PreTrainedTokenizerBase) -> None:
+        if not config.paths:
+            raise ValueError("data.path is empty: give a .jsonl or .parquet file")
+        if config.apply_chat_template and not getattr(tokenizer, "chat_template", None):
+            raise ValueError(
+                "data.apply_chat_template is true but the tokenizer has no chat_template"
+            )
+        self.config = config
+        self.items: list[PromptItem] = []
+        self.problems: list[Problem] = []
+        self.num_too_long = 0
+        num_rows = 0
+        for path in config.paths:
+            if not Path(path).is_file():
+                raise ValueError(f"data.path {path!r} does not exist")
+            for line, row in read_rows(path):
+                num_rows += 1
+                try:
+                    if isinstance(row, RowError):
+                        raise row
+                    prompt, label, metadata = split_row(row, config)
+                    ids, text = encode_prompt(prompt, tokenizer, config)
+                except RowError as e:
+                    self.problems.append(Problem(path, line, str(e)))
+                    logger.warning("%s:%d: skipping row: %s", path, line, e)
+                    continue
+                if config.max_prompt_length is not None and len(ids) > config.max_prompt_length:
+                    self.num_too_long += 1
+                    continue
+                self.items.append(PromptItem(len(self.items), ids, text, label, metadata))
+        if self.num_too_long:
+            logger.warning(
+                "dropped %d of %d prompts longer than data.max_prompt_length=%d tokens",
+                self.num_too_long,
+                num_rows,
+                config.max_prompt_length,
+            )
+        if not self.items:
+            raise ValueError(self._empty_reason(num_rows))
+
+    def _empty_reason(self, num_rows: int) -> str:
+        files = ", ".join(self.config.paths)
+        if num_rows == 0:
+            return f"no rows in {files}"
+        if self.problems and not self.num_too_long:
+            first = self.problems[0]
+            return (
+                f"every row of {files} is bad ({len(self.problems)} rows); "
+                f"first: {first.file}:{first.line}: {first.reason}"
+            )
+        return (
+            f"no usable prompt in {files}: {len(self.problems)} bad rows, {self.num_too_long} "
+            f"longer than data.max_prompt_length={self.config.max_prompt_length}"
+        )
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> PromptItem:
+        return self.items[index]
+
+
+# --------------------------------------------------------------------------- sampling
+
+
+def epoch_order(num_items: int, *, seed: int, epoch: int, shuffle: bool) -> list[int]:
+    """The order of one epoch: a function of (seed, epoch) only."""
+    if not shuffle:
+        return list(range(num_items))
+    rng = np.random.default_rng([seed, epoch])
+    return [int(i) for i in rng.permutation(num_items)]
+
+
+class PromptSampler:
+    """Batches of prompts across epochs, with a resumable cursor."""
+
+    def __init__(self, dataset: PromptDataset, *, shuffle: bool, seed: int) -> None:
+        self.dataset = dataset
+        self.shuffle = shuffle
+        self.seed = seed
+        self.epoch = 0
+        self.position = 0
+        """Items of the current epoch already handed out."""
+        self._order: list[int] | None = None
+
+    @classmethod
+    def from_config(cls, dataset: PromptDataset) -> PromptSampler:
+        return cls(dataset, shuffle=dataset.config.shuffle, seed=dataset.config.seed)
+
+    def _current_order(self) -> list[int]:
+        if self._order is None:
+            self._order = epoch_order(
+                len(self.dataset), seed=self.seed, epoch=self.epoch, shuffle=self.shuffle
+            )
+        return self._order
+
+    def next_batch(self, n: int) -> list[PromptItem]:
+        """The next ``n`` prompts; an epoch boundary inside the batch starts the next epoch."""
+        if n < 1:
+            raise ValueError(f"batch size must be >= 1, got {n}")
+        batch: list[PromptItem] = []
+        while len(batch) < n:
+            order = self._current_order()
+            take = order[self.position : self.position + n - len(batch)]
+            batch.extend(self.dataset[i] for i in take)
+            self.position += len(take)
+            if self.position == len(order):
+                self.epoch += 1
+                self.position = 0
+                self._order = None
+        return batch
+
+    def state_dict(self) -> dict[str, int]:
+        # num_items guards against resuming on a different dataset (other files,
+        # another max_prompt_length), which would silently change every order.
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "num_items": len(self.dataset),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if state["seed"] != self.seed:
+            raise ValueError(
+                f"data sampler state was saved with seed {state['seed']}, "
+                f"but this run uses seed {self.seed}"
+            )
+        num_items = state.get("num_items", len(self.dataset))
+        if num_items != len(self.dataset):
+            raise ValueError(
+                f"data sampler state was saved for {num_items} prompts, "
+                f"but the dataset now has {len(self.dataset)}"
+            )
+        if state["epoch"] < 0 or not 0 <= state["position"] < len(self.dataset):
+            raise ValueError(f"invalid data sampler state {dict(state)}")
+        self.epoch = int(state["epoch"])
+        self.position = int(state["position"])
+        self._order = None

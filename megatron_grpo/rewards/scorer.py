@@ -1,0 +1,166 @@
+"""``RewardScorer``: a batch of responses in, one finite reward per response out.
+
+A reward function that raises, or returns something that is not a finite
+number, is an error of that sample: logged with its index and the start of
+the response, then either fatal (``on_error="fail"``, a ``RewardError``) or
+scored 0.0 and counted (``on_error="zero"``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import numbers
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from megatron_grpo.rewards.config import RewardConfig
+from megatron_grpo.rewards.custom import load_function
+from megatron_grpo.rewards.math_answer import math_reward
+from megatron_grpo.rewards.remote import RemoteReward
+from megatron_grpo.rewards.text import FormatReward, exact_match
+
+logger = logging.getLogger(__name__)
+
+RewardFn = Callable[[str, Any, dict[str, Any]], float]
+"""``(response_text, label, item_metadata) -> reward``."""
+
+
+class RewardError(RuntimeError):
+    """A reward function failed on one sample (raised with ``on_error="fail"``)."""
+
+    def __init__(self, index: int, cause: Exception) -> None:
+        self.index = index
+        self.cause = cause
+        super().__init__(
+            f"reward function failed on sample {index}: {type(cause).__name__}: {cause}"
+        )
+
+
+@dataclass(frozen=True)
+class ScoreResult:
+    rewards: list[float]
+    num_errors: int
+    """Samples whose reward function failed (scored 0.0)."""
+    errors: list[str]
+    """One ``sample <i>: <exception>`` line per failed sample."""
+
+
+def format_reward(config: RewardConfig) -> FormatReward:
+    assert config.format_pattern is not None  # RewardConfig checks this
+    return FormatReward(
+        config.format_pattern,
+        mode=config.format_mode,
+        match_score=config.format_match_score,
+        miss_score=config.format_miss_score,
+    )
+
+
+def build_reward_function(config: RewardConfig) -> RewardFn:
+    """The main reward function of a config (imports a custom one: may raise ValueError)."""
+    if config.type == "math":
+        return math_reward
+    if config.type == "exact_match":
+        case_sensitive = config.case_sensitive
+        return lambda response, label, metadata: exact_match(
+            response, label, case_sensitive=case_sensitive
+        )
+    if config.type == "format":
+        return format_reward(config)
+    if config.type == "remote":
+        assert config.remote_url is not None  # RewardConfig checks this
+        return RemoteReward(
+            config.remote_url,
+            field=config.remote_field,
+            timeout=config.remote_timeout,
+            retries=config.remote_retries,
+            backoff=config.remote_retry_backoff,
+        )
+    assert config.type == "custom" and config.custom_function is not None
+    return load_function(config.custom_function)
+
+
+def as_reward(value: object) -> float:
+    """A reward function's return value as a finite float, or an error saying what it was."""
+    if not isinstance(value, numbers.Real):
+        raise TypeError(f"reward function returned {type(value).__name__} {value!r:.100}")
+    reward = float(value)
+    if not math.isfinite(reward):
+        raise ValueError(f"reward function returned non-finite {reward}")
+    return reward
+
+
+class RewardScorer:
+    """Scores batches of responses as a ``RewardConfig`` says."""
+
+    def __init__(self, config: RewardConfig) -> None:
+        self.config = config
+        self.reward_fn = build_reward_function(config)
+        self.format_fn = format_reward(config) if config.format_weight != 0 else None
+
+    def _main_values(
+        self,
+        responses: Sequence[str],
+        labels: Sequence[Any],
+        metadatas: Sequence[dict[str, Any]],
+    ) -> list[object]:
+        """The main function's value for each sample, or the exception it raised."""
+        values: list[object] = []
+        batch_size = self.config.remote_batch_size
+        if isinstance(self.reward_fn, RemoteReward) and batch_size:
+            for start in range(0, len(responses), batch_size):
+                part = slice(start, start + batch_size)
+                try:
+                    values += self.reward_fn.score_batch(
+                        responses[part], labels[part], metadatas[part]
+                    )
+                except Exception as e:  # a failed request fails each of its samples
+                    values += [e] * len(responses[part])
+            return values
+        for response, label, metadata in zip(responses, labels, metadatas, strict=True):
+            try:
+                values.append(self.reward_fn(response, label, metadata))
+            except Exception as e:
+                values.append(e)
+        return values
+
+    def _total(self, response: str, value: object) -> float:
+        if isinstance(value, Exception):
+            raise value
+        reward = as_reward(value)
+        if self.format_fn is not None:
+            reward += self.config.format_weight * self.format_fn(response)
+        return reward
+
+    def score(
+        self,
+        responses: Sequence[str],
+        labels: Sequence[Any],
+        metadatas: Sequence[dict[str, Any]],
+    ) -> ScoreResult:
+        if not len(responses) == len(labels) == len(metadatas):
+            raise ValueError(
+                f"score() needs one label and one metadata per response, got "
+                f"{len(responses)} responses, {len(labels)} labels, {len(metadatas)} metadatas"
+            )
+        values = self._main_values(responses, labels, metadatas)
+        rewards: list[float] = []
+        errors: list[str] = []
+        for index, (response, value) in enumerate(zip(responses, values, strict=True)):
+            try:
+                rewards.append(self._total(response, value))
+                continue
+            except Exception as e:
+                logger.warning(
+                    "reward failed on sample %d (response %r): %s: %s",
+                    index,
+                    response[:200],
+                    type(e).__name__,
+                    e,
+                )
+                if self.config.on_error == "fail":
+                    raise RewardError(index, e) from e
+                errors.append(f"sample {index}: {type(e).__name__}: {e}")
+            rewards.append(0.0)
+        return ScoreResult(rewards=rewards, num_errors=len(errors), errors=errors)

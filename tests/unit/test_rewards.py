@@ -1,0 +1,381 @@
+"""Reward functions and the scorer: hand-made answers, a local HTTP reward server, errors."""
+
+import json
+import logging
+import socket
+import sys
+import threading
+import time
+from fractions import Fraction
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from megatron_grpo.rewards import (
+    FormatReward,
+    RemoteRewardError,
+    RewardConfig,
+    RewardError,
+    RewardScorer,
+    exact_match,
+    extract_answer,
+    extract_boxed,
+    last_number,
+    load_function,
+    math_reward,
+    parse_number,
+)
+
+# --------------------------------------------------------------------------- math
+
+
+def test_extract_boxed_nested_and_last():
+    assert extract_boxed(r"so \boxed{\frac{\sqrt{3}}{2}} done") == r"\frac{\sqrt{3}}{2}"
+    assert extract_boxed(r"\boxed{1} then \boxed{ {2} }") == " {2} "
+    assert extract_boxed(r"\boxed{3} and a truncated \boxed{4") == "3"
+    assert extract_boxed("no box here") is None
+
+
+def test_last_number():
+    assert last_number("2 apples, then 17.") == "17"
+    assert last_number("a total of $1,234,567 dollars") == "1,234,567"
+    assert last_number("so 3-5 is") == "5"  # a binary minus is not a sign
+    assert last_number("x = -5") == "-5"
+    assert last_number("it is 3/4") == "3/4"
+    assert last_number("about .5 or 2.25") == "2.25"
+    assert last_number("no digits") is None
+    assert extract_answer(r"12 steps, \boxed{7}, then 9") == "7"
+
+
+@pytest.mark.parametrize(
+    "text, value",
+    [
+        ("42", Fraction(42)),
+        ("+5", Fraction(5)),
+        ("-0.75", Fraction(-3, 4)),
+        ("1,000", Fraction(1000)),
+        ("1{,}000.5", Fraction(2001, 2)),
+        (r"\$12", Fraction(12)),
+        (r"50\%", Fraction(50)),
+        ("3/4", Fraction(3, 4)),
+        (r"\dfrac{1}{2}", Fraction(1, 2)),
+        (r"-\frac{3}{4}", Fraction(-3, 4)),
+        (r"\frac{-3}{4}", Fraction(-3, 4)),
+        ("x = 5", Fraction(5)),
+        (r"12\text{ cm}", Fraction(12)),
+        ("1e-3", Fraction(1, 1000)),
+        ("1,00", None),  # not a thousands grouping
+        ("1/0", None),
+        (r"\sqrt{2}", None),
+        ("(1, 2)", None),
+    ],
+)
+def test_parse_number(text, value):
+    assert parse_number(text) == value
+
+
+@pytest.mark.parametrize(
+    "response, label, reward",
+    [
+        (r"The answer is \boxed{\frac{1}{2}}.", "0.5", 1.0),
+        (r"\boxed{0.5}", r"\frac{1}{2}", 1.0),
+        (r"thus \boxed{\frac{\sqrt{3}}{2}}", r"\frac{\sqrt{3}}{2}", 1.0),
+        (r"\boxed{\dfrac{\sqrt{3}}{2}}", r"\frac{\sqrt{3}}{2}", 1.0),
+        ("First 3 then 4, so the answer is 17.", "17", 1.0),
+        ("so it is 3/4", "0.75", 1.0),
+        (r"\boxed{2.50}", "2.5", 1.0),
+        ("costs $1,000.", "1000", 1.0),
+        (r"\boxed{1000}", "1,000", 1.0),
+        (r"\boxed{+5}", 5, 1.0),
+        (r"\boxed{50\%}", "50", 1.0),
+        (r"\boxed{0.3333333}", "1/3", 1.0),  # within the relative tolerance
+        (r"\boxed{0.33}", "1/3", 0.0),
+        (r"\boxed{x = -5}", "-5", 1.0),
+        (r"\boxed{12\text{ cm}}", 12, 1.0),
+        (r"\boxed{\text{(B)}}", "(B)", 1.0),
+        (r"\boxed{ yes. }", "yes", 1.0),
+        (r"\boxed{4}", "5", 0.0),
+        ("I give up", "5", 0.0),
+        ("the result is 3-5", "-2", 0.0),
+        (r"\boxed{7} was wrong, \boxed{8}", "8", 1.0),
+        (r"\boxed{5}", r"\boxed{5}", 1.0),  # a boxed label is unboxed too
+        (r"\boxed{10^{400}}", "10^{400}", 1.0),
+        (r"\boxed{1e400}", "1e400", 1.0),  # compared as fractions: no float overflow
+        (r"\boxed{2e400}", "1e400", 0.0),
+    ],
+)
+def test_math_reward(response, label, reward):
+    assert math_reward(response, label, {}) == reward
+
+
+def test_math_reward_needs_a_label():
+    with pytest.raises(ValueError, match="needs a label"):
+        math_reward(r"\boxed{1}", None, {})
+
+
+# --------------------------------------------------------------------------- text
+
+
+def test_exact_match():
+    assert exact_match("  Paris \n", "Paris") == 1.0
+    assert exact_match("New   York", "New York") == 1.0
+    assert exact_match("paris", "Paris") == 0.0
+    assert exact_match("paris", "Paris", case_sensitive=False) == 1.0
+    assert exact_match("Paris!", "Paris") == 0.0
+
+
+def test_format_reward():
+    pattern = r"<think>.*</think>\s*<answer>.*</answer>"
+    full = FormatReward(pattern)
+    assert full("<think>a\nb</think>\n<answer>1</answer>") == 1.0  # DOTALL: spans lines
+    assert full("preamble <think>a</think><answer>1</answer>") == 0.0
+    search = FormatReward(pattern, mode="search", match_score=0.5, miss_score=-1.0)
+    assert search("preamble <think>a</think><answer>1</answer>") == 0.5
+    assert search("<answer>1</answer>") == -1.0
+
+
+def test_scorer_math_plus_format():
+    config = RewardConfig(type="math", format_pattern=r".*\\boxed\{.*\}.*", format_weight=0.5)
+    scorer = RewardScorer(config)
+    result = scorer.score([r"\boxed{2}", r"\boxed{3}", "2", "nothing"], ["2"] * 4, [{}] * 4)
+    assert result.rewards == [1.5, 0.5, 1.0, 0.0]
+    assert (result.num_errors, result.errors) == (0, [])
+
+
+def test_scorer_exact_match_and_format_types():
+    scorer = RewardScorer(RewardConfig(type="exact_match", case_sensitive=False))
+    assert scorer.score(["YES", "no"], ["yes", "yes"], [{}, {}]).rewards == [1.0, 0.0]
+    scorer = RewardScorer(RewardConfig(type="format", format_pattern="[0-9]+"))
+    assert scorer.score(["12", "12a"], [None, None], [{}, {}]).rewards == [1.0, 0.0]
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="format_pattern is needed"):
+        RewardConfig(type="format")
+    with pytest.raises(ValueError, match="format_pattern is needed"):
+        RewardConfig(type="math", format_weight=0.1)
+    with pytest.raises(ValueError, match="not a valid regex"):
+        RewardConfig(type="format", format_pattern="(")
+    with pytest.raises(ValueError, match="remote_url"):
+        RewardConfig(type="remote")
+    with pytest.raises(ValueError, match="custom_function"):
+        RewardConfig(type="custom", custom_function="no_colon")
+    with pytest.raises(ValueError, match="remote_timeout"):
+        RewardConfig(remote_timeout=0)
+    with pytest.raises(ValueError, match="lengths|one label"):
+        RewardScorer(RewardConfig()).score(["a"], [], [])
+
+
+# --------------------------------------------------------------------------- custom
+
+CUSTOM_MODULE = """
+import math
+
+def by_metadata(response, label, metadata):
+    return len(response) * metadata["scale"]
+
+def flaky(response, label, metadata):
+    if response == "boom":
+        raise ZeroDivisionError("boom!")
+    if response == "nan":
+        return math.nan
+    if response == "text":
+        return "1.0"
+    return 1.0
+
+not_callable = 3
+"""
+
+
+@pytest.fixture
+def custom_module(tmp_path, monkeypatch):
+    name = "grpo_test_custom_rewards"
+    (tmp_path / f"{name}.py").write_text(CUSTOM_MODULE)
+    (tmp_path / "grpo_test_broken_rewards.py").write_text("raise RuntimeError('import-time bug')")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield name
+    for module in (name, "grpo_test_broken_rewards"):
+        sys.modules.pop(module, None)
+
+
+def test_custom_function(custom_module):
+    config = RewardConfig(type="custom", custom_function=f"{custom_module}:by_metadata")
+    result = RewardScorer(config).score(["ab", "abc"], [None, None], [{"scale": 2}, {"scale": 1}])
+    assert result.rewards == [4.0, 3.0]
+
+
+def test_custom_function_errors_name_the_spec(custom_module):
+    with pytest.raises(ValueError, match="'no_such_module_xyz:f': cannot import"):
+        load_function("no_such_module_xyz:f")
+    with pytest.raises(ValueError, match="import-time bug"):
+        load_function("grpo_test_broken_rewards:f")
+    with pytest.raises(ValueError, match=f"'{custom_module}:missing'.* no attribute"):
+        load_function(f"{custom_module}:missing")
+    with pytest.raises(ValueError, match="is a int, not a callable"):
+        RewardScorer(RewardConfig(type="custom", custom_function=f"{custom_module}:not_callable"))
+
+
+def test_errors_score_zero_and_are_reported(custom_module, caplog):
+    config = RewardConfig(type="custom", custom_function=f"{custom_module}:flaky", on_error="zero")
+    responses = ["fine", "boom", "nan", "text", "fine"]
+    with caplog.at_level(logging.WARNING, logger="megatron_grpo.rewards"):
+        result = RewardScorer(config).score(responses, [None] * 5, [{}] * 5)
+    assert result.rewards == [1.0, 0.0, 0.0, 0.0, 1.0]
+    assert result.num_errors == 3
+    assert result.errors[0] == "sample 1: ZeroDivisionError: boom!"
+    assert result.errors[1].startswith("sample 2: ValueError: reward function returned non-finite")
+    assert result.errors[2].startswith("sample 3: TypeError: reward function returned str")
+    assert "reward failed on sample 1 (response 'boom'): ZeroDivisionError: boom!" in caplog.text
+
+
+def test_error_fails_the_run(custom_module, caplog):
+    config = RewardConfig(type="custom", custom_function=f"{custom_module}:flaky")
+    with pytest.raises(RewardError, match="sample 1: ZeroDivisionError: boom!") as info:
+        RewardScorer(config).score(["fine", "boom"], [None] * 2, [{}] * 2)
+    assert info.value.index == 1 and isinstance(info.value.cause, ZeroDivisionError)
+
+
+def test_warning_shows_only_the_start_of_a_long_response(caplog):
+    scorer = RewardScorer(RewardConfig(type="math", on_error="zero"))
+    response = "x" * 1000
+    with caplog.at_level(logging.WARNING, logger="megatron_grpo.rewards"):
+        result = scorer.score([response], [None], [{}])
+    assert result.num_errors == 1
+    assert "x" * 200 in caplog.text and "x" * 201 not in caplog.text
+
+
+# --------------------------------------------------------------------------- remote
+
+
+class RewardServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, *, fail_first=0, status=500, delay=0.0):
+        super().__init__(("127.0.0.1", 0), RewardHandler)
+        self.fail_first = fail_first
+        self.status = status
+        self.delay = delay
+        self.requests: list[dict] = []
+
+    def handle_error(self, request, client_address):
+        pass  # the timeout test hangs up before the answer: a broken pipe is expected
+
+    @property
+    def url(self):
+        return f"http://127.0.0.1:{self.server_address[1]}/score"
+
+
+class RewardHandler(BaseHTTPRequestHandler):
+    """Scores len(response) + 100 * (response == label), or fails on request."""
+
+    server: RewardServer
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.server.requests.append(body)
+        time.sleep(self.server.delay)
+        if len(self.server.requests) <= self.server.fail_first:
+            return self._reply(self.server.status, {"error": "not now"})
+        samples = body["batch"] if "batch" in body else [body]
+        scores = [len(s["response"]) + 100.0 * (s["response"] == s["label"]) for s in samples]
+        self._reply(200, {"score": scores if "batch" in body else scores[0], "extra": "x"})
+
+    def _reply(self, status, payload):
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):  # keep the test output quiet
+        pass
+
+
+@pytest.fixture
+def serve():
+    servers = []
+
+    def start(**kwargs):
+        server = RewardServer(**kwargs)
+        threading.Thread(target=server.serve_forever, args=(0.01,), daemon=True).start()
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
+def remote_config(url, **kwargs):
+    defaults = dict(remote_field="score", remote_timeout=5.0, remote_retry_backoff=0.01)
+    return RewardConfig(type="remote", remote_url=url, **{**defaults, **kwargs})
+
+
+def test_remote_reward(serve):
+    server = serve()
+    scorer = RewardScorer(remote_config(server.url))
+    result = scorer.score(["abc", "hi"], ["abc", "no"], [{"id": 1}, {"id": 2}])
+    assert result.rewards == [103.0, 2.0]
+    assert server.requests[0] == {"response": "abc", "label": "abc", "metadata": {"id": 1}}
+
+
+def test_remote_reward_batches(serve):
+    server = serve()
+    scorer = RewardScorer(remote_config(server.url, remote_batch_size=2))
+    result = scorer.score(["a", "bb", "ccc"], ["a", "x", "x"], [{}] * 3)
+    assert result.rewards == [101.0, 2.0, 3.0]
+    assert [len(r["batch"]) for r in server.requests] == [2, 1]
+
+
+def test_remote_retries_a_server_error(serve):
+    server = serve(fail_first=2)
+    scorer = RewardScorer(remote_config(server.url, remote_retries=2))
+    assert scorer.score(["abc"], ["x"], [{}]).rewards == [3.0]
+    assert len(server.requests) == 3
+
+
+def test_remote_gives_up_after_the_retries(serve):
+    server = serve(fail_first=10)
+    scorer = RewardScorer(remote_config(server.url, remote_retries=1, on_error="zero"))
+    result = scorer.score(["abc"], ["x"], [{}])
+    assert result.rewards == [0.0] and len(server.requests) == 2
+    assert "failed after 2 attempts; last error: HTTP 500" in result.errors[0]
+
+
+def test_remote_client_error_is_not_retried(serve):
+    server = serve(fail_first=1, status=400)
+    scorer = RewardScorer(remote_config(server.url, remote_retries=3))
+    with pytest.raises(RewardError, match="RemoteRewardError: .* answered HTTP 400") as info:
+        scorer.score(["abc"], ["x"], [{}])
+    assert isinstance(info.value.cause, RemoteRewardError)
+    assert len(server.requests) == 1
+
+
+def test_remote_missing_field(serve):
+    server = serve()
+    scorer = RewardScorer(remote_config(server.url, remote_field="reward", on_error="zero"))
+    result = scorer.score(["abc"], ["x"], [{}])
+    assert "field 'reward' is not a number: None" in result.errors[0]
+
+
+def test_remote_timeout(serve):
+    server = serve(delay=0.5)
+    config = remote_config(server.url, remote_timeout=0.1, remote_retries=0, on_error="zero")
+    result = RewardScorer(config).score(["abc"], ["x"], [{}])
+    assert result.num_errors == 1 and "timed out" in result.errors[0]
+
+
+def test_remote_server_down():
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = remote_config(f"http://127.0.0.1:{port}/score", remote_retries=1)
+    with pytest.raises(RewardError, match="sample 0: RemoteRewardError: .*failed after 2 attempts"):
+        RewardScorer(config).score(["abc"], ["x"], [{}])
+    result = RewardScorer(remote_config(config.remote_url, on_error="zero")).score(
+        ["a", "b"], ["x", "y"], [{}, {}]
+    )
+    assert result.rewards == [0.0, 0.0] and result.num_errors == 2
+    assert all("RemoteRewardError" in e for e in result.errors)
