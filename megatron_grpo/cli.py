@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
 import sys
 
 from megatron_grpo.config import dump_config, load_config
@@ -22,6 +24,73 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
 
 def cmd_config(args: argparse.Namespace) -> int:
     print(dump_config(load_config(args.config, args.overrides)), end="")
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides)  # fail fast, before any process starts
+    sizing = (args.world_size, args.nnodes, args.gpus_per_node, args.gpu_memory_gb)
+    if not args.dry_run and any(x is not None for x in sizing):
+        raise ValueError(
+            "--world-size, --nnodes, --gpus-per-node and --gpu-memory-gb need --dry-run"
+        )
+    if args.dry_run:  # arithmetic only: no process, no process group, no GPU
+        from megatron_grpo.dry_run import dry_run, resolve_world_size
+
+        world_size, gpus_per_node = resolve_world_size(
+            args.world_size, args.nnodes, args.gpus_per_node
+        )
+        report = dry_run(
+            cfg,
+            world_size=world_size,
+            gpus_per_node=gpus_per_node,
+            gpu_memory_gb=80.0 if args.gpu_memory_gb is None else args.gpu_memory_gb,
+        )
+        print(report.format())
+        if not report.fits:
+            print(f"megatron-grpo: error: {report.refusal()}", file=sys.stderr)
+            return 2
+        return 0
+    if args.nproc and "WORLD_SIZE" not in os.environ:
+        return _relaunch_under_torchrun(args.nproc, sys.argv[1:])
+    from megatron_grpo.trainer import train
+
+    train(cfg)
+    return 0
+
+
+def _relaunch_under_torchrun(nproc: int, argv: list[str]) -> int:
+    """Run this same command under torchrun on ``nproc`` local processes."""
+    rest, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a == "--nproc":
+            skip = True
+            continue
+        if a.startswith("--nproc="):
+            continue
+        rest.append(a)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "megatron_grpo.cli",
+        *rest,
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    return subprocess.call(cmd, env=env)
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from megatron_grpo.metrics import plot_run
+
+    for path in plot_run(args.run_dir, args.out):
+        print(path)
     return 0
 
 
@@ -79,6 +148,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_config)
 
     p = sub.add_parser(
+        "train",
+        help="run GRPO (under torchrun, or --nproc N to start the processes here)",
+    )
+    add_config_args(p)
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=0,
+        help="start N local processes with torchrun (ignored when already under torchrun)",
+    )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check the layout and estimate memory per GPU for the target world size, "
+        "without GPUs or processes; exit 2 when it is invalid or does not fit",
+    )
+    p.add_argument("--world-size", type=int, help="GPUs in total (with --dry-run)")
+    p.add_argument("--nnodes", type=int, help="nodes (with --dry-run; default 1)")
+    p.add_argument("--gpus-per-node", type=int, help="GPUs per node (with --dry-run; default 8)")
+    p.add_argument(
+        "--gpu-memory-gb",
+        type=float,
+        help="memory of one GPU in GiB (with --dry-run; default 80)",
+    )
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("plot", help="draw reward and length curves of a run to PNG")
+    p.add_argument("run_dir", help="a run's output_dir (holding metrics.jsonl)")
+    p.add_argument("--out", help="where to write the PNG files (default: run_dir)")
+    p.set_defaults(func=cmd_plot)
+
+    p = sub.add_parser(
         "check-invariance",
         help="prove the gradient of one global batch is the same at every layout",
         description="Train one fixed global batch for one step at each DPxTPxPP layout "
@@ -112,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except ValueError as e:
+    except (ValueError, FileNotFoundError) as e:
         print(f"megatron-grpo: error: {e}", file=sys.stderr)
         return 2
 

@@ -17,8 +17,13 @@ from typing import Any, Literal
 
 import yaml
 
+from megatron_grpo.advantages import AdvantageConfig
+from megatron_grpo.data import DataConfig
+from megatron_grpo.metrics import MetricsConfig
 from megatron_grpo.normalization import Mode, check_mode
 from megatron_grpo.parallel import ParallelDims
+from megatron_grpo.rewards.config import RewardConfig
+from megatron_grpo.rollout_stage import RolloutConfig
 
 
 @dataclass(kw_only=True)
@@ -45,6 +50,10 @@ class ModelConfig:
     """Longest sequence the model is built for."""
     rotary_base: float = 10000.0
     """RoPE base (theta)."""
+    rope_scaling_factor: float | None = None
+    """Llama 3.1-style RoPE scaling factor (HF ``rope_type: llama3``); None disables it.
+    megatron-core fixes the other llama3 parameters: low/high frequency factors 1 and 4,
+    original context 8192."""
     norm_epsilon: float = 1e-6
     """RMSNorm epsilon."""
     add_qkv_bias: bool = False
@@ -68,6 +77,10 @@ class ModelConfig:
             raise ValueError(
                 f"model.num_attention_heads={self.num_attention_heads} is not divisible by "
                 f"model.num_query_groups={self.num_query_groups}"
+            )
+        if self.rope_scaling_factor is not None and self.rope_scaling_factor <= 0:
+            raise ValueError(
+                f"model.rope_scaling_factor must be > 0, got {self.rope_scaling_factor}"
             )
         if self.head_dim is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(
@@ -173,6 +186,39 @@ class LossConfig:
 
 
 @dataclass(kw_only=True)
+class TrainConfig:
+    """The RL loop: steps, batch sizes, micro-batching, checkpoints."""
+
+    total_steps: int = 10
+    """RL steps (rollout + optimizer steps + weight sync) to run in total."""
+    global_batch_size: int | None = None
+    """Samples per optimizer step; None means the whole rollout batch (one step)."""
+    num_iterations: int = 1
+    """mu: optimizer passes over each rollout batch (old log-probs computed once)."""
+    max_tokens_per_micro_batch: int = 4096
+    """Token budget of one micro-batch on one rank, padding included."""
+    pack_sequences: bool | None = None
+    """Pack samples end to end in micro-batches; None packs unless Transformer Engine is used."""
+    init: str | None = None
+    """Initial weights: a Hugging Face directory or a megatron checkpoint; None is random."""
+    hf_family: Literal["llama", "qwen2", "qwen3"] = "qwen2"
+    """HF architecture the weights map to (weight sync, export)."""
+    save_interval: int = 0
+    """Save a checkpoint every this many steps (and at the end); 0 saves only at the end."""
+    keep_last: int = 2
+    """Checkpoints kept on disk."""
+
+    def __post_init__(self) -> None:
+        for name in ("total_steps", "num_iterations", "max_tokens_per_micro_batch", "keep_last"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        if self.global_batch_size is not None and self.global_batch_size < 1:
+            raise ValueError(f"train.global_batch_size must be >= 1, got {self.global_batch_size}")
+        if self.save_interval < 0:
+            raise ValueError(f"train.save_interval must be >= 0, got {self.save_interval}")
+
+
+@dataclass(kw_only=True)
 class Config:
     """The whole run."""
 
@@ -180,10 +226,48 @@ class Config:
     """Seed for model initialization and sampling."""
     output_dir: str = "runs/default"
     """Where checkpoints, metrics and the resolved config go."""
+    tokenizer: str | None = None
+    """Hugging Face tokenizer directory; None uses train.init when it is a HF directory."""
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelDims = field(default_factory=ParallelDims)
     optim: OptimConfig = field(default_factory=OptimConfig)
     loss: LossConfig = field(default_factory=LossConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    advantages: AdvantageConfig = field(default_factory=AdvantageConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+    def __post_init__(self) -> None:
+        rollout_batch = self.rollout.prompts_per_step * self.rollout.samples_per_prompt
+        gbs = self.train.global_batch_size or rollout_batch
+        if rollout_batch % gbs:
+            raise ValueError(
+                f"train.global_batch_size={gbs} does not divide the rollout batch "
+                f"rollout.prompts_per_step x rollout.samples_per_prompt = {rollout_batch}"
+            )
+        if gbs % self.rollout.samples_per_prompt:
+            raise ValueError(
+                f"train.global_batch_size={gbs} is not a multiple of "
+                f"rollout.samples_per_prompt={self.rollout.samples_per_prompt}: "
+                "a prompt group must not be split across optimizer steps"
+            )
+        longest = (self.data.max_prompt_length or 0) + self.rollout.max_new_tokens
+        if (
+            self.data.max_prompt_length is not None
+            and longest > self.train.max_tokens_per_micro_batch
+        ):
+            raise ValueError(
+                f"train.max_tokens_per_micro_batch={self.train.max_tokens_per_micro_batch} is "
+                "below the longest sample, data.max_prompt_length + rollout.max_new_tokens = "
+                f"{longest}"
+            )
+        if longest > self.model.max_position_embeddings:
+            raise ValueError(
+                f"model.max_position_embeddings={self.model.max_position_embeddings} is below "
+                f"data.max_prompt_length + rollout.max_new_tokens = {longest}"
+            )
 
 
 # --------------------------------------------------------------------------- loading

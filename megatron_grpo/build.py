@@ -1,0 +1,83 @@
+"""Building the pieces of a run from its config: weights, tokenizer, engines, data."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_grpo import checkpoint
+from megatron_grpo.config import Config
+from megatron_grpo.parallel import ParallelContext
+
+
+def init_kind(path: str) -> str:
+    p = Path(path)
+    if (p / "metadata.json").exists():
+        return "megatron"
+    if (p / "config.json").exists():
+        return "hf"
+    raise FileNotFoundError(
+        f"train.init={path!r} is neither a megatron checkpoint (metadata.json) "
+        "nor a Hugging Face model directory (config.json)"
+    )
+
+
+def load_initial_weights(model: list, cfg: Config, ctx: ParallelContext) -> None:
+    """Load train.init into the model chunks (random init stays when it is None)."""
+    if cfg.train.init is None:
+        return
+    kind = init_kind(cfg.train.init)
+    if kind == "megatron":
+        checkpoint.load_model(model, cfg.train.init)
+        return
+    import transformers
+
+    from megatron_grpo.convert.hf_files import HFCheckpoint, MegatronView
+    from megatron_grpo.full_state import load_full_state
+    from megatron_grpo.hf_mapping import check_hf_config
+
+    check_hf_config(transformers.AutoConfig.from_pretrained(cfg.train.init), cfg.model)
+    with torch.no_grad():
+        view = MegatronView(HFCheckpoint(cfg.train.init), cfg.model)
+        load_full_state(model, view, cfg.model, ctx)
+
+
+def tokenizer_path(cfg: Config) -> str:
+    if cfg.tokenizer is not None:
+        return cfg.tokenizer
+    if cfg.train.init is not None and init_kind(cfg.train.init) == "hf":
+        return cfg.train.init
+    raise ValueError("set tokenizer: a Hugging Face tokenizer directory (train.init is not one)")
+
+
+def hf_model_from_state(named: dict[str, torch.Tensor], cfg: Config):
+    """A transformers model holding ``named`` (the embedded engine's copy of the policy)."""
+    import transformers
+
+    from megatron_grpo.hf_mapping import hf_config_from_model_config
+
+    hf_cfg = hf_config_from_model_config(cfg.model, cfg.train.hf_family)
+    model = transformers.AutoModelForCausalLM.from_config(hf_cfg).float().eval()
+    missing, unexpected = model.load_state_dict(named, strict=False)
+    tied = {"lm_head.weight"} if cfg.model.tie_embeddings else set()
+    if unexpected or set(missing) - tied:
+        raise RuntimeError(f"HF model mismatch: missing {missing}, unexpected {unexpected}")
+    return model
+
+
+def broadcast(obj: Any, ctx: ParallelContext) -> Any:
+    """``obj`` from global rank 0 on every rank."""
+    if ctx.world_size == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def stop_token_ids(tokenizer, extra: list[int]) -> list[int]:
+    """The configured stop tokens plus the tokenizer's end of sequence."""
+    eos = tokenizer.eos_token_id
+    return list(extra) + ([eos] if isinstance(eos, int) and eos not in extra else [])

@@ -1,0 +1,103 @@
+"""Batch planning: which samples go to which DP rank and micro-batch.
+
+Two steps, both pure:
+1. ``balance``: split the global batch over DP ranks so that their token
+   counts are close (greedy longest-first onto the least-loaded rank). The
+   loss does not care where a sample lands (its weight comes from global
+   counts), so this is free to optimize for speed.
+2. ``pack``: within a rank, fill micro-batches up to a token budget. Packed
+   micro-batches are one row of samples end to end (first-fit decreasing),
+   so the only padding is none at all; unpacked ones hold rows of similar
+   length so that padding to the longest stays small.
+
+Ranks may end up with different numbers of micro-batches: megatron-core's
+DDP reduces gradients once after the whole schedule, and every pipeline
+stage of one DP rank sees the same plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Plan:
+    """rank -> micro-batch -> row -> sample indices into the global batch."""
+
+    ranks: list[list[list[list[int]]]]
+
+    def micro_batches(self, dp_rank: int) -> list[list[list[int]]]:
+        return self.ranks[dp_rank]
+
+    def padding_fraction(self, lengths: Sequence[int]) -> float:
+        """Padded positions / all positions, over every micro-batch of every rank."""
+        real = padded = 0
+        for rank in self.ranks:
+            for mb in rank:
+                width = max(sum(lengths[i] for i in row) for row in mb)
+                padded += width * len(mb)
+                real += sum(lengths[i] for row in mb for i in row)
+        return 1.0 - real / padded if padded else 0.0
+
+
+def balance(lengths: Sequence[int], dp_size: int) -> list[list[int]]:
+    """Sample indices per DP rank, token counts balanced; each rank sorted by index."""
+    if len(lengths) < dp_size:
+        raise ValueError(
+            f"the global batch has {len(lengths)} samples, fewer than the {dp_size} DP ranks"
+        )
+    loads = [0] * dp_size
+    ranks: list[list[int]] = [[] for _ in range(dp_size)]
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        r = min(range(dp_size), key=lambda r: (loads[r], len(ranks[r]), r))
+        ranks[r].append(i)
+        loads[r] += lengths[i]
+    return [sorted(r) for r in ranks]
+
+
+def pack(
+    indices: Sequence[int], lengths: Sequence[int], max_tokens: int, *, packed: bool
+) -> list[list[list[int]]]:
+    """Micro-batches of rows within ``max_tokens`` positions each (padding included)."""
+    too_long = [i for i in indices if lengths[i] > max_tokens]
+    if too_long:
+        i = too_long[0]
+        raise ValueError(
+            f"sample {i} has {lengths[i]} tokens, more than the micro-batch budget "
+            f"train.max_tokens_per_micro_batch={max_tokens}"
+        )
+    order = sorted(indices, key=lambda i: (-lengths[i], i))
+    if packed:  # first-fit decreasing: each micro-batch is one packed row
+        bins: list[list[int]] = []
+        room: list[int] = []
+        for i in order:
+            b = next((b for b, free in enumerate(room) if free >= lengths[i]), None)
+            if b is None:
+                bins.append([])
+                room.append(max_tokens)
+                b = len(bins) - 1
+            bins[b].append(i)
+            room[b] -= lengths[i]
+        return [[row] for row in bins]
+    micro_batches: list[list[list[int]]] = []
+    current: list[list[int]] = []
+    for i in order:  # longest first: the first row of a micro-batch sets its width
+        if current and lengths[current[0][0]] * (len(current) + 1) > max_tokens:
+            micro_batches.append(current)
+            current = []
+        current.append([i])
+    if current:
+        micro_batches.append(current)
+    return micro_batches
+
+
+def plan(lengths: Sequence[int], *, dp_size: int, max_tokens: int, packed: bool) -> Plan:
+    return Plan([pack(r, lengths, max_tokens, packed=packed) for r in balance(lengths, dp_size)])
+
+
+def naive_padding_fraction(lengths: Sequence[int], micro_batch_size: int) -> float:
+    """Padding of fixed-size micro-batches padded to the longest sample of the batch."""
+    width = max(lengths)
+    num_mb = -(-len(lengths) // micro_batch_size)
+    return 1.0 - sum(lengths) / (width * micro_batch_size * num_mb)

@@ -1,0 +1,161 @@
+"""The GRPO loop: rollout -> reward -> advantages -> optimizer steps -> weight sync.
+
+Every rank runs this. Generation, scoring and the data cursor live on global
+rank 0, which broadcasts each step's training samples; the train step and
+the weight gather are collective.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from megatron_grpo import build, rollout_stage, train_state, weight_sync
+from megatron_grpo.config import Config, dump_config, to_dict
+from megatron_grpo.metrics import MetricsLogger
+from megatron_grpo.model import build_model, have_transformer_engine
+from megatron_grpo.optim import build_optimizer
+from megatron_grpo.parallel import init_parallel
+from megatron_grpo.train_step import StepSettings, train_on_rollout
+
+
+def train(cfg: Config) -> None:
+    ctx = init_parallel(cfg.parallel, seed=cfg.seed)
+    out = Path(cfg.output_dir)
+    if ctx.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.yaml").write_text(dump_config(cfg))
+        print(dump_config(cfg), flush=True)
+    model = build_model(cfg.model, ctx)
+    optimizer, scheduler = build_optimizer(cfg.optim, cfg.model, model, ctx)
+    build.load_initial_weights(model, cfg, ctx)
+    ref_model = None
+    if cfg.loss.kl_coef:  # frozen copy of the initial policy, forward only
+        ref_model = build_model(cfg.model, ctx, wrap_ddp=False)
+        build.load_initial_weights(ref_model, cfg, ctx)
+    start_step, extra = 0, dict[str, Any]()
+    latest = train_state.latest_checkpoint(out)
+    if latest is not None:
+        start_step, extra = train_state.load(
+            latest, model=model, optimizer=optimizer, scheduler=scheduler, ctx=ctx
+        )
+    rollout = _RolloutSide(cfg, ctx, model, extra) if cfg.rollout.replay_dir is None else None
+    settings = StepSettings(
+        global_batch_size=cfg.train.global_batch_size
+        or cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt,
+        num_iterations=cfg.train.num_iterations,
+        max_tokens_per_micro_batch=cfg.train.max_tokens_per_micro_batch,
+        pack=cfg.train.pack_sequences
+        if cfg.train.pack_sequences is not None
+        else not have_transformer_engine(),
+        vocab_size=cfg.model.vocab_size,
+        max_len=cfg.rollout.max_new_tokens,
+    )
+    logger = MetricsLogger(out, cfg.metrics, enabled=ctx.is_main, run_config=to_dict(cfg))
+    for step in range(start_step + 1, cfg.train.total_steps + 1):
+        t0 = time.perf_counter()
+        if cfg.rollout.replay_dir is not None:
+            batch = rollout_stage.replay(cfg.rollout.replay_dir, step) if ctx.is_main else None
+        else:
+            assert rollout is not None
+            batch = rollout.collect(step)
+        batch = build.broadcast(batch, ctx)
+        t1 = time.perf_counter()
+        history = train_on_rollout(
+            model, optimizer, scheduler, ctx, batch.samples, cfg.loss, settings, ref_model=ref_model
+        )
+        t2 = time.perf_counter()
+        if rollout is not None:
+            rollout.sync(model, step)
+        t3 = time.perf_counter()
+        num_tokens = sum(len(s) for s in batch.samples)
+        logger.log(
+            step,
+            {
+                **batch.stats,
+                **history[-1],
+                "time_rollout_s": t1 - t0,
+                "time_train_s": t2 - t1,
+                "time_sync_s": t3 - t2,
+                "tokens_per_s": num_tokens * settings.num_iterations / max(t2 - t1, 1e-9),
+            },
+        )
+        last = step == cfg.train.total_steps
+        if last or (cfg.train.save_interval and step % cfg.train.save_interval == 0):
+            train_state.save(
+                out,
+                step,
+                model=model,
+                optimizer=optimizer,
+                scheduler=scheduler,
+                ctx=ctx,
+                extra=build.broadcast(rollout.state() if rollout else {}, ctx),
+                keep_last=cfg.train.keep_last,
+            )
+    logger.close()
+    if rollout is not None:
+        rollout.close()
+
+
+class _RolloutSide:
+    """Data, rewards and engines: real on global rank 0, weight gathers everywhere."""
+
+    def __init__(self, cfg: Config, ctx, model: list, extra: dict) -> None:
+        self.cfg, self.ctx = cfg, ctx
+        named = weight_sync.hf_state(model, ctx, cfg.model, cfg.train.hf_family)  # collective
+        if named is None:  # not the main rank
+            return
+        from transformers import AutoTokenizer
+
+        from megatron_grpo.data import PromptDataset, PromptSampler
+        from megatron_grpo.rewards import RewardScorer
+        from megatron_grpo.rollout_runtime import RolloutRuntime
+
+        self.tokenizer = AutoTokenizer.from_pretrained(build.tokenizer_path(cfg))
+        self.sampler = PromptSampler.from_config(PromptDataset(cfg.data, self.tokenizer))
+        if "sampler" in extra:
+            self.sampler.load_state_dict(extra["sampler"])
+        self.scorer = RewardScorer(cfg.reward)
+        self.stop = build.stop_token_ids(self.tokenizer, cfg.rollout.stop_token_ids)
+        hf_model = (
+            build.hf_model_from_state(named, cfg) if cfg.rollout.engine == "embedded" else None
+        )
+        self.runtime = RolloutRuntime(
+            cfg.rollout, hf_model=hf_model, tokenizer=self.tokenizer, seed=cfg.seed
+        )
+
+    def collect(self, step: int):
+        if not self.ctx.is_main:
+            return None
+        batch = rollout_stage.collect(
+            step,
+            sampler=self.sampler,
+            runtime=self.runtime,
+            scorer=self.scorer,
+            tokenizer=self.tokenizer,
+            cfg=self.cfg.rollout,
+            adv_cfg=self.cfg.advantages,
+            seed=self.cfg.seed,
+            stop_token_ids=self.stop,
+        )
+        if self.cfg.rollout.dump_dir:
+            rollout_stage.dump(batch, self.cfg.rollout.dump_dir, step)
+        return batch
+
+    def sync(self, model: list, step: int) -> None:
+        named = weight_sync.hf_state(model, self.ctx, self.cfg.model, self.cfg.train.hf_family)
+        if named is not None:
+            self.runtime.push_weights(
+                named,
+                weight_version=str(step),
+                model_cfg=self.cfg.model,
+                family=self.cfg.train.hf_family,
+            )
+
+    def state(self) -> dict:
+        return {"sampler": self.sampler.state_dict()} if self.ctx.is_main else {}
+
+    def close(self) -> None:
+        if self.ctx.is_main:
+            self.runtime.close()

@@ -1,0 +1,48 @@
+import random
+
+import pytest
+
+from megatron_grpo.plan import balance, naive_padding_fraction, pack, plan
+
+
+def test_balance_spreads_tokens():
+    lengths = [100, 90, 10, 10, 10, 10, 50, 40]
+    ranks = balance(lengths, 2)
+    assert sorted(i for r in ranks for i in r) == list(range(8))
+    loads = [sum(lengths[i] for i in r) for r in ranks]
+    assert loads == [160, 160]
+    with pytest.raises(ValueError, match="3 samples, fewer than the 4 DP ranks"):
+        balance([1, 2, 3], 4)
+
+
+def test_packed_micro_batches_respect_the_budget_and_keep_every_sample():
+    lengths = [7, 3, 5, 2, 8, 1]
+    mbs = pack(range(6), lengths, max_tokens=10, packed=True)
+    assert all(len(mb) == 1 for mb in mbs)  # one packed row each
+    assert all(sum(lengths[i] for i in mb[0]) <= 10 for mb in mbs)
+    assert sorted(i for mb in mbs for i in mb[0]) == list(range(6))
+    assert len(mbs) == 3  # 26 tokens in bins of 10: FFD finds the minimum here
+
+
+def test_unpacked_micro_batches_count_padding_in_the_budget():
+    lengths = [9, 8, 3, 3, 3]
+    mbs = pack(range(5), lengths, max_tokens=18, packed=False)
+    for mb in mbs:
+        width = max(lengths[row[0]] for row in mb)
+        assert width * len(mb) <= 18
+    assert sorted(row[0] for mb in mbs for row in mb) == list(range(5))
+
+
+def test_sample_over_budget_is_named():
+    with pytest.raises(
+        ValueError, match="sample 1 has 30 tokens, more than the micro-batch budget"
+    ):
+        pack([0, 1], [5, 30], max_tokens=20, packed=True)
+
+
+def test_long_tailed_lengths_pack_with_little_padding():
+    rng = random.Random(0)
+    lengths = [min(4096, int(rng.paretovariate(1.2) * 100)) for _ in range(512)]
+    packed = plan(lengths, dp_size=4, max_tokens=8192, packed=True)
+    assert packed.padding_fraction(lengths) < 0.05
+    assert naive_padding_fraction(lengths, micro_batch_size=8) > 0.5

@@ -1,0 +1,150 @@
+"""The main rank's rollout step with a scripted engine: dynamic sampling, samples, dump/replay."""
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from megatron_grpo.advantages import AdvantageConfig
+from megatron_grpo.rollout_stage import RolloutConfig, collect, dump, replay
+
+
+@dataclass
+class Item:
+    prompt_ids: list
+    label: str
+    metadata: dict
+
+
+class Sampler:
+    def __init__(self):
+        self.next = 0
+
+    def next_batch(self, n):
+        items = [Item([1, 2 + (self.next + i) % 5], str(self.next + i), {}) for i in range(n)]
+        self.next += n
+        return items
+
+
+@dataclass
+class Finish:
+    type: str
+
+
+@dataclass
+class Gen:
+    prompt_ids: tuple
+    output_ids: tuple
+    rollout_logprobs: tuple
+    finish_reason: Finish
+
+
+class Runtime:
+    """Prompt p answers its own label when it is even; odd prompts answer half right."""
+
+    def generate_groups(self, prompts, cfg, *, seed, stop_token_ids):
+        return [
+            [
+                Gen(
+                    tuple(p),
+                    (7, 8, 9)[: 1 + k % 3],
+                    (-0.5,) * (1 + k % 3),
+                    Finish("length" if k == 0 else "stop"),
+                )
+                for k in range(cfg.samples_per_prompt)
+            ]
+            for p in prompts
+        ]
+
+
+class Tokenizer:
+    def decode(self, ids, skip_special_tokens=True):
+        return str(len(ids))
+
+
+@dataclass
+class Scored:
+    rewards: list
+    num_errors: int = 0
+
+
+class Scorer:
+    """Reward 1 for responses of length 1 in prompts whose id is even; flat groups otherwise."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def score(self, texts, labels, metas):
+        self.calls += 1
+        out = []
+        for t, label in zip(texts, labels):
+            out.append(1.0 if int(label) % 2 == 0 and t == "1" else 0.0)
+        return Scored(out)
+
+
+def run(dynamic, prompts=4, samples=3, rounds=4, mask_truncated=False):
+    cfg = RolloutConfig(
+        prompts_per_step=prompts, samples_per_prompt=samples, mask_truncated=mask_truncated
+    )
+    adv = AdvantageConfig(dynamic_sampling=dynamic, max_sampling_rounds=rounds, scale_by_std=False)
+    return collect(
+        1,
+        sampler=Sampler(),
+        runtime=Runtime(),
+        scorer=Scorer(),
+        tokenizer=Tokenizer(),
+        cfg=cfg,
+        adv_cfg=adv,
+        seed=0,
+        stop_token_ids=[],
+    )
+
+
+def test_samples_carry_masks_logprobs_groups_and_advantages():
+    batch = run(dynamic=False)
+    assert len(batch.samples) == 12
+    s = batch.samples[0]
+    assert s.tokens.tolist() == [1, 2, 7]
+    assert s.loss_mask.tolist() == [0.0, 0.0, 1.0]
+    assert s.rollout_logprobs.tolist() == [0.0, 0.0, -0.5]
+    assert [x.group for x in batch.samples] == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]
+    # group 0 (label "0", even): rewards [1, 0, 0] -> advantages [2/3, -1/3, -1/3]
+    assert [round(x.advantage, 4) for x in batch.samples[:3]] == [0.6667, -0.3333, -0.3333]
+    assert batch.stats["reward_mean"] == pytest.approx(2 / 12)
+    assert batch.stats["truncated_fraction"] == pytest.approx(4 / 12)
+
+
+def test_dynamic_sampling_fills_the_batch_with_groups_that_have_spread():
+    batch = run(dynamic=True, prompts=4)
+    groups = {}
+    for s in batch.samples:
+        groups.setdefault(s.group, []).append(s.advantage)
+    assert len(groups) == 4
+    assert all(max(a) > min(a) for a in groups.values())
+    assert batch.stats["groups_dropped"] == 3  # odd labels 1, 3, 5
+    assert batch.stats["sampling_rounds"] == 3
+    assert batch.stats["groups_flat_kept"] == 0
+
+
+def test_round_cap_completes_with_flat_groups_and_reports_it():
+    batch = run(dynamic=True, prompts=4, rounds=1)
+    assert len(batch.samples) == 12
+    assert batch.stats["groups_flat_kept"] == 2
+
+
+def test_overlong_filtering_masks_truncated_completions():
+    batch = run(dynamic=False, mask_truncated=True)
+    assert batch.samples[0].num_loss_tokens == 0  # finished by length
+    assert batch.samples[1].num_loss_tokens == 2
+
+
+def test_dump_and_replay_round_trip(tmp_path):
+    batch = run(dynamic=False)
+    dump(batch, tmp_path, 3)
+    back = replay(tmp_path, 3)
+    assert back.stats == batch.stats
+    for a, b in zip(batch.samples, back.samples):
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.loss_mask, b.loss_mask)
+        assert a.advantage == b.advantage and a.group == b.group
+    with pytest.raises(FileNotFoundError, match="no dump for step 4"):
+        replay(tmp_path, 4)
