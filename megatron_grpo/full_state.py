@@ -5,25 +5,40 @@ which global tensor it is (``ShardedTensor.global_slice()``), including the
 fused SwiGLU and per-query-group QKV layouts. That metadata is used here to
 gather parameters, or their gradients, from every TP/PP rank into full
 tensors named as a single-process GPTModel names them
-(``decoder.layers.3.mlp.linear_fc1.weight``), and to scatter full tensors back.
-The same names come out of every layout, so two layouts can be compared
-tensor by tensor, and weight sync has one source of truth to map to HF names.
+(``decoder.layers.3.mlp.linear_fc1.weight``). The same names come out of every
+layout, so two layouts can be compared tensor by tensor, and weight sync has
+one source of truth to map to HF names.
 
-The vocabulary is padded differently at each TP size; full tensors hold only
-the tokenizer's ``vocab_size`` rows (the padding rows are zeros when loaded
-and take no part in the log-softmax).
+``load_full_state`` goes the other way without any collective: each rank cuts
+its own TP shard of the tensors its chunks hold (``convert.sharding``), reading
+only those names, so a lazy Mapping over a checkpoint streams into the model.
+It accepts either spec's norm names, so what the gather returns loads back.
+
+The vocabulary is padded differently at each TP size; gathered tensors hold
+only the tokenizer's ``vocab_size`` rows, and loaded ones may hold those or
+any padded count (the padding rows are zeros when loaded and take no part in
+the log-softmax).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from megatron_grpo.checkpoint import model_sharded_state_dict
+from megatron_grpo.config import ModelConfig
+from megatron_grpo.convert.sharding import chunk_layer_range, shard_for_rank
+from megatron_grpo.convert.weights import (
+    MEGATRON_EMBEDDING,
+    MEGATRON_OUTPUT,
+    canonical_megatron_name,
+    megatron_key_layer,
+    with_layer_index,
+)
 from megatron_grpo.parallel import ParallelContext
 
 _VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
@@ -107,16 +122,53 @@ def gather_full_state(
     return out
 
 
-def load_full_state(model: list, full: dict[str, Tensor]) -> None:
-    """Copy full (TP=1, PP=1 named) tensors into this rank's shards, in place."""
-    with torch.no_grad():
-        for key, prepend, shape, sl, data in _local_shards(model):
-            if key in _VOCAB_KEYS:
-                source = full[key].new_zeros(shape)
-                source[: full[key].shape[0]] = full[key]
-            elif prepend == 0:
-                source = full[key]
-            else:
-                stem, _, leaf = key.rpartition("layers.")
-                source = torch.stack([full[f"{stem}layers.{i}.{leaf}"] for i in range(shape[0])])
-            data.copy_(source[sl])
+def _unwrap(model_chunk: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside DDP / Float16Module wrappers."""
+    while hasattr(model_chunk, "module"):
+        model_chunk = model_chunk.module  # type: ignore[assignment]
+    return model_chunk
+
+
+def _chunk_params(
+    model_chunk: torch.nn.Module, cfg: ModelConfig, ctx: ParallelContext
+) -> dict[str, Tensor]:
+    """A chunk's parameters under global, local-spec names (``_extra_state`` left out)."""
+    model = _unwrap(model_chunk)
+    vp_stage = getattr(model, "vp_stage", None) or 0
+    layers = chunk_layer_range(cfg.num_layers, ctx.pp_rank, ctx.dims.pp, vp_stage, ctx.dims.vpp)
+    params = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if name.endswith("_extra_state"):
+            continue
+        local = megatron_key_layer(name)
+        full_name = name if local is None else with_layer_index(name, layers[local])
+        params[canonical_megatron_name(full_name)] = tensor
+    return params
+
+
+@torch.no_grad()
+def load_full_state(
+    model: list, full: Mapping[str, Tensor], cfg: ModelConfig, ctx: ParallelContext
+) -> None:
+    """Copy this rank's TP shard of each full tensor into its model chunks, in place.
+
+    ``full`` maps global (TP=1, PP=1) names of either spec to full tensors;
+    only the names these chunks hold are read, in model order (embedding,
+    layers, final norm, head), so a lazy Mapping holding one layer at a time
+    works. With tied embeddings and PP > 1 the last stage's copy of the
+    embedding (``output_layer.weight``) is loaded from the embedding.
+    """
+    names = {canonical_megatron_name(k): k for k in full}
+    for chunk in model:
+        for name, param in _chunk_params(chunk, cfg, ctx).items():
+            tied = name == MEGATRON_OUTPUT and cfg.tie_embeddings
+            source = MEGATRON_EMBEDDING if tied else name
+            if source not in names:
+                raise ValueError(f"the full state has no {source!r}, which this model chunk needs")
+            shard = shard_for_rank(name, full[names[source]], ctx.tp_rank, ctx.dims.tp, cfg)
+            if shard.shape != param.shape:
+                raise ValueError(
+                    f"{name}: TP shard has shape {tuple(shard.shape)}, "
+                    f"the model parameter {tuple(param.shape)}"
+                )
+            param.copy_(shard)

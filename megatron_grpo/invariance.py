@@ -186,7 +186,7 @@ def run_layout(
     samples, offsets = fixed_batch(model_cfg.vocab_size)
     results: dict[str, Any] = {"init_state": init_state, "cases": {}}
     for mode, variant in itertools.product(modes, variants(micro_batch_counts, permute, pack)):
-        load_full_state(model, init_state)
+        load_full_state(model, init_state, model_cfg, ctx)
         zero_grads(model)
         optimizer.zero_grad()
         order = permutation(len(samples)) if variant.permuted else range(len(samples))

@@ -127,6 +127,8 @@ def build_gpt(cfg: ModelConfig, ctx: ParallelContext, *, vp_stage: int | None = 
         share_embeddings_and_output_weights=cfg.tie_embeddings,
         position_embedding_type="rope",
         rotary_base=cfg.rotary_base,  # type: ignore[arg-type]  # used as base ** x
+        rope_scaling=cfg.rope_scaling_factor is not None,
+        rope_scaling_factor=cfg.rope_scaling_factor or 8.0,
         pg_collection=ctx.pg,
         vp_stage=vp_stage,
     )

@@ -214,7 +214,13 @@ def reference_update(init: str, dump: str, lr: float) -> dict:
 
 
 def test_replayed_step_gives_the_same_parameters_at_two_layouts(tmp_path, assets):
-    sgd = ("optim.optimizer=sgd", "optim.lr=0.5", "optim.clip_grad=0", "train.total_steps=1")
+    sgd = (
+        "optim.optimizer=sgd",
+        "optim.lr=0.5",
+        "optim.lr_warmup_steps=0",
+        "optim.clip_grad=0",
+        "train.total_steps=1",
+    )
     train(tmp_path / "gen", assets, *sgd, f"rollout.dump_dir={tmp_path / 'dump'}")
     replay = (*sgd, f"rollout.replay_dir={tmp_path / 'dump'}")
     train(tmp_path / "dp2", assets, *replay, "parallel.pp=1", nproc=2)

@@ -1,0 +1,76 @@
+"""Convert a Hugging Face Llama / Qwen2 / Qwen3 checkpoint into a megatron-core checkpoint.
+
+    python tools/convert_hf_to_megatron.py --hf-dir Qwen3-0.6B --out ckpt/qwen3 --tp 2 --pp 2
+
+Starts the TP x PP processes itself (or runs as one of them under torchrun
+with WORLD_SIZE = TP x PP). Writes a distributed checkpoint, ``model.yaml``
+(the model config for training and for the way back) and ``hf/`` (the
+source's config and tokenizer files). See docs/conversion.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hf-dir", required=True, help="HF model directory (safetensors)")
+    parser.add_argument("--out", required=True, help="distributed checkpoint directory to write")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size to save at")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size to save at")
+    parser.add_argument(
+        "--family",
+        default="auto",
+        choices=["auto", "llama", "qwen2", "qwen3"],
+        help="expected model family; auto takes it from config.json",
+    )
+    parser.add_argument(
+        "--model-config",
+        help="YAML model config (or run config with a model: section) the HF config must match",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        help="parameter dtype (default: the model config's, else the HF config's)",
+    )
+    parser.add_argument("--timeout", type=float, default=6 * 3600.0, help="seconds")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed")
+    from megatron_grpo.convert.checkpoints import convert_hf_to_megatron
+    from megatron_grpo.launch import WorkerError
+
+    try:
+        cfg = convert_hf_to_megatron(
+            args.hf_dir,
+            args.out,
+            tp=args.tp,
+            pp=args.pp,
+            family=args.family,
+            model_config=args.model_config,
+            dtype=args.dtype,
+            timeout=args.timeout,
+        )
+    except (ValueError, FileNotFoundError) as err:
+        print(f"convert_hf_to_megatron: error: {err}", file=sys.stderr)
+        return 2
+    except WorkerError as err:
+        print(f"convert_hf_to_megatron: a conversion process failed: {err}", file=sys.stderr)
+        return 1
+    if os.environ.get("RANK", "0") == "0":  # once under torchrun
+        print(
+            f"wrote {args.out} (TP{args.tp} x PP{args.pp}, {cfg.num_layers} layers, "
+            f"{cfg.params_dtype}) with model.yaml"
+        )
+    return 0
+
+
+if __name__ == "__main__":  # the guard dist_checkpointing's spawned helpers need
+    sys.exit(main())
