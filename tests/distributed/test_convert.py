@@ -22,6 +22,8 @@ import transformers
 import yaml
 
 from megatron_grpo.launch import run_workers
+from megatron_grpo.testing import random_hf_model
+from megatron_grpo.testing import tiny_hf_config as _tiny_hf_config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -56,33 +58,14 @@ BF16_LOGIT_TOLERANCE = 0.1  # logits are ~3; a weight in the wrong place moves t
 
 
 def tiny_hf_config(family: str, **overrides):
-    kwargs = dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+    return _tiny_hf_config(
+        family,
         vocab_size=VOCAB,
         max_position_embeddings=512,
-        rms_norm_eps=1e-6,
-        rope_theta=500000.0 if family == "llama" else 1000000.0,
-        tie_word_embeddings=False,
         bos_token_id=1,
         eos_token_id=2,
+        **overrides,
     )
-    config_cls = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}[family]
-    return getattr(transformers, config_cls)(**(kwargs | overrides))
-
-
-def random_hf_model(hf_config, seed: int = 0):
-    """fp32, eager attention, norms and biases random too (ones would hide swaps)."""
-    torch.manual_seed(seed)
-    hf_config._attn_implementation = "eager"
-    model = transformers.AutoModelForCausalLM.from_config(hf_config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
-    return model
 
 
 def save_tokenizer(path: Path) -> None:

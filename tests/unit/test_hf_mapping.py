@@ -34,6 +34,7 @@ from megatron_grpo.hf_mapping import (
     unshard,
 )
 from megatron_grpo.launch import run_workers
+from megatron_grpo.testing import random_hf_model, tiny_hf_config
 
 HERE = Path(__file__)
 VOCAB = 200
@@ -42,42 +43,9 @@ VOCAB = 200
 CASES = [("llama", False), ("qwen2", False), ("qwen3", False), ("llama", True), ("qwen2", True)]
 
 
-def tiny_hf_config(family: str, *, tied: bool = False, **overrides):
-    """A tiny config of ``family`` with GQA; Qwen3's head_dim is not hidden / heads."""
-    kwargs = dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        max_position_embeddings=64,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=tied,
-    )
-    kwargs |= {
-        "llama": dict(rope_theta=500000.0),
-        "qwen2": dict(rope_theta=1000000.0),
-        "qwen3": dict(rope_theta=1000000.0, head_dim=32),
-    }[family]
-    config_cls = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}[family]
-    return getattr(transformers, config_cls)(**(kwargs | overrides))
-
-
-def tiny_hf_model(hf_config, seed: int = 0):
-    """A random fp32 HF model whose norms and biases are random too (ones would hide swaps)."""
-    torch.manual_seed(seed)
-    hf_config._attn_implementation = "eager"
-    model = transformers.AutoModelForCausalLM.from_config(hf_config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
-    return model
-
-
 def hf_state(family: str, tied: bool = False, **overrides) -> tuple[dict, ModelConfig]:
     hf_config = tiny_hf_config(family, tied=tied, **overrides)
-    state = tiny_hf_model(hf_config).state_dict()
+    state = random_hf_model(hf_config).state_dict()
     return state, model_config_from_hf(hf_config)
 
 
@@ -353,7 +321,7 @@ def megatron_logits_worker(hf_config, hf_state_dict: dict, input_ids: torch.Tens
 
 def _max_logit_diff(family: str, tied: bool, tp: int, **overrides) -> float:
     hf_config = tiny_hf_config(family, tied=tied, **overrides)
-    model = tiny_hf_model(hf_config)
+    model = random_hf_model(hf_config)
     input_ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = model(input_ids).logits
@@ -420,6 +388,6 @@ def load_and_gather_worker(hf_config, hf_state_dict: dict, tp: int, pp: int, vpp
 @pytest.mark.distributed
 def test_load_and_gather_round_trip_at_tp2_pp2_vpp2():
     hf_config = tiny_hf_config("qwen2", tied=True, num_hidden_layers=4)
-    state = tiny_hf_model(hf_config).state_dict()
+    state = random_hf_model(hf_config).state_dict()
     kwargs = dict(hf_config=hf_config, hf_state_dict=state, tp=2, pp=2, vpp=2)
     assert all(run_workers(f"{HERE}:load_and_gather_worker", 4, kwargs=kwargs, timeout=180))

@@ -1,0 +1,45 @@
+"""Tiny random Hugging Face models for tests, benchmarks and examples (no downloads)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+_CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}
+_ROPE_THETA = {"llama": 500000.0, "qwen2": 1000000.0, "qwen3": 1000000.0}
+
+
+def tiny_hf_config(family: str, *, tied: bool = False, vocab_size: int = 200, **overrides: Any):
+    """A tiny config of ``family`` (llama, qwen2, qwen3) with GQA; Qwen3's head_dim is not
+    hidden / heads, so that layouts which assume it are caught."""
+    import transformers
+
+    kwargs: dict[str, Any] = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=vocab_size,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=tied,
+        rope_theta=_ROPE_THETA[family],
+    )
+    if family == "qwen3":
+        kwargs["head_dim"] = 32
+    return getattr(transformers, _CONFIG_CLASSES[family])(**(kwargs | overrides))
+
+
+def random_hf_model(hf_config, seed: int = 0):
+    """A random fp32 model in eval mode; norms and biases random too (ones would hide swaps)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    hf_config._attn_implementation = "eager"
+    model = transformers.AutoModelForCausalLM.from_config(hf_config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
+    return model
