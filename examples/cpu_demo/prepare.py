@@ -45,7 +45,10 @@ def train_tokenizer(corpus: list[str]) -> PreTrainedTokenizerFast:
     trainer = trainers.WordLevelTrainer(special_tokens=["<pad>", "<unk>", "<eos>"])
     tok.train_from_iterator(corpus, trainer)
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", eos_token="<eos>",
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        unk_token="<unk>",
+        eos_token="<eos>",
         chat_template=CHAT_TEMPLATE,
     )
 
@@ -84,15 +87,22 @@ def greedy_accuracy(model, tokenizer, data: list[tuple[str, str]]) -> float:
     correct = 0
     for prompt, answer in data:
         ids = torch.tensor([tokenizer(prompt)["input_ids"]])
-        out = model.generate(ids, max_new_tokens=3, do_sample=False, eos_token_id=tokenizer.eos_token_id,
-                             pad_token_id=tokenizer.pad_token_id)
-        text = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+        out = model.generate(
+            ids,
+            max_new_tokens=3,
+            do_sample=False,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        text = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
         correct += text.strip() == answer
     return correct / len(data)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", required=True)
     parser.add_argument("--warmup-steps", type=int, default=150)
     parser.add_argument("--seed", type=int, default=0)
@@ -108,10 +118,18 @@ def main() -> None:
 
     torch.manual_seed(args.seed)
     config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
         bos_token_id=None,
     )
     model = Qwen2ForCausalLM(config).float()
@@ -120,8 +138,12 @@ def main() -> None:
     tokenizer.save_pretrained(out / "model")
     # Measured on the saved model and tokenizer: what the trainer will start from.
     saved = AutoModelForCausalLM.from_pretrained(out / "model").float().eval()
-    acc = greedy_accuracy(saved, AutoTokenizer.from_pretrained(out / "model"), problems(args.seed + 1, 200))
-    (out / "warmup.json").write_text(json.dumps({"greedy_accuracy": acc, "steps": args.warmup_steps}))
+    acc = greedy_accuracy(
+        saved, AutoTokenizer.from_pretrained(out / "model"), problems(args.seed + 1, 200)
+    )
+    (out / "warmup.json").write_text(
+        json.dumps({"greedy_accuracy": acc, "steps": args.warmup_steps})
+    )
     print(f"warm-up: {args.warmup_steps} steps, greedy accuracy on held-out sums {acc:.2f}")
     print(f"vocab_size {len(tokenizer)}; assets in {out}")
 

@@ -307,6 +307,41 @@ def test_exported_directory_loads_in_transformers(sources, launched, name):
     assert torch.equal(got, hf_logits(sources[name]["dir"], sources[name]["tokens"]))
 
 
+def test_exported_directory_serves_from_the_embedded_rollout_server(sources, launched):
+    """Greedy tokens from the embedded server on the exported directory equal transformers'."""
+    import asyncio
+
+    from megatron_grpo.rollout.client import ClientConfig, SGLangClient
+    from megatron_grpo.rollout.embedded_server import start_embedded_server
+    from megatron_grpo.rollout.types import RolloutRequest, SamplingParams
+
+    export_dir = launched["cases"]["qwen2"]["export_dir"]
+    prompt = sources["qwen2"]["tokens"][0, :6].tolist()
+    model = transformers.AutoModelForCausalLM.from_pretrained(export_dir).float().eval()
+    expected = model.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=5,
+        do_sample=False,
+        eos_token_id=None,
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+    )[0, len(prompt) :].tolist()
+    server = start_embedded_server(export_dir)
+    try:
+        request = RolloutRequest(
+            prompts=(tuple(prompt),),
+            sampling=SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True),
+        )
+
+        async def run():
+            async with SGLangClient(ClientConfig(urls=(server.url,))) as client:
+                return await client.generate(request)
+
+        (sample,) = asyncio.run(run())
+    finally:
+        server.stop()
+    assert list(sample.output_ids) == expected
+
+
 def test_command_lines_round_trip_bf16(sources, cli_round_trip, launched):
     source = sources["llama-bf16"]
     megatron_dir, hf_dir = cli_round_trip["megatron"], cli_round_trip["hf"]

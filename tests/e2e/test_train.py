@@ -69,20 +69,21 @@ def train(out: Path, assets: Path, *overrides: str, nproc: int = 2, timeout: int
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+# KL to a reference model, dynamic sampling, 2 optimizer steps per rollout and mu = 2 passes
+RESUMABLE = (
+    "train.save_interval=2",
+    "advantages.dynamic_sampling=true",
+    "loss.kl_coef=0.05",
+    "train.global_batch_size=8",
+    "train.num_iterations=2",
+)
 DETERMINISTIC = ("reward_mean", "response_length_mean", "loss", "grad_norm", "entropy", "kl")
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, assets):
     out = tmp_path_factory.mktemp("full")
-    rows = train(
-        out,
-        assets,
-        "train.total_steps=4",
-        "train.save_interval=2",
-        "advantages.dynamic_sampling=true",
-        "loss.kl_coef=0.05",
-    )
+    rows = train(out, assets, "train.total_steps=4", *RESUMABLE)
     return out, rows
 
 
@@ -122,9 +123,8 @@ def test_end_to_end_run_logs_checkpoints_and_plots(uninterrupted):
 
 def test_resume_continues_exactly(tmp_path, assets, uninterrupted):
     _, full = uninterrupted
-    common = ("train.save_interval=2", "advantages.dynamic_sampling=true", "loss.kl_coef=0.05")
-    train(tmp_path, assets, "train.total_steps=2", *common)
-    rows = train(tmp_path, assets, "train.total_steps=4", *common)  # resumes from step 2
+    train(tmp_path, assets, "train.total_steps=2", *RESUMABLE)
+    rows = train(tmp_path, assets, "train.total_steps=4", *RESUMABLE)  # resumes from step 2
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for a, b in zip(rows[2:], full[2:]):
         for key in DETERMINISTIC:

@@ -1,0 +1,28 @@
+"""Which checkpoint a run resumes from, when a save was cut short."""
+
+import pytest
+
+from megatron_grpo.train_state import latest_checkpoint
+
+
+def make(root, name, complete=True):
+    path = root / "checkpoints" / name
+    path.mkdir(parents=True)
+    if complete:
+        (path / "metadata.json").write_text("{}")
+    return path
+
+
+def test_a_crash_mid_save_leaves_the_previous_checkpoint_in_use(tmp_path):
+    assert latest_checkpoint(tmp_path) is None
+    good = make(tmp_path, "step_00000002")
+    make(tmp_path, "step_00000004.partial", complete=False)  # the save that crashed
+    (tmp_path / "checkpoints" / "latest").write_text("step_00000002")
+    assert latest_checkpoint(tmp_path) == good
+
+
+def test_a_pointer_to_an_incomplete_checkpoint_is_named(tmp_path):
+    make(tmp_path, "step_00000003", complete=False)
+    (tmp_path / "checkpoints" / "latest").write_text("step_00000003")
+    with pytest.raises(FileNotFoundError, match="names step_00000003, which is not a complete"):
+        latest_checkpoint(tmp_path)
