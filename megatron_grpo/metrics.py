@@ -39,14 +39,26 @@ class MetricsConfig:
 
 class MetricsLogger:
     def __init__(
-        self, output_dir: str | Path, cfg: MetricsConfig, *, enabled: bool, run_config: dict
+        self,
+        output_dir: str | Path,
+        cfg: MetricsConfig,
+        *,
+        enabled: bool,
+        run_config: dict,
+        total_steps: int | None = None,
+        start_step: int = 0,
     ):
         self.enabled = enabled
         self.path = Path(output_dir) / "metrics.jsonl"
         self._tb = None
         self._wandb = None
+        self._bar = None
         if not enabled:
             return
+        if total_steps is not None:  # a progress bar on stderr; metric lines go above it
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=start_step, desc="GRPO steps", unit="step")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -78,9 +90,16 @@ class MetricsLogger:
             self._tb.flush()
         if self._wandb is not None:
             self._wandb.log(numeric, step=step)
-        print(format_line(step, metrics), flush=True)
+        if self._bar is not None:
+            self._bar.write(format_line(step, metrics))
+            self._bar.set_postfix(reward=f"{metrics.get('reward_mean', float('nan')):.3f}")
+            self._bar.update(1)
+        else:
+            print(format_line(step, metrics), flush=True)
 
     def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
         if self._tb is not None:
             self._tb.close()
         if self._wandb is not None:

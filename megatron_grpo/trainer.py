@@ -52,7 +52,14 @@ def train(cfg: Config) -> None:
         vocab_size=cfg.model.vocab_size,
         max_len=cfg.rollout.max_new_tokens,
     )
-    logger = MetricsLogger(out, cfg.metrics, enabled=ctx.is_main, run_config=to_dict(cfg))
+    logger = MetricsLogger(
+        out,
+        cfg.metrics,
+        enabled=ctx.is_main,
+        run_config=to_dict(cfg),
+        total_steps=cfg.train.total_steps,
+        start_step=start_step,
+    )
     for step in range(start_step + 1, cfg.train.total_steps + 1):
         t0 = time.perf_counter()
         if cfg.rollout.replay_dir is not None:

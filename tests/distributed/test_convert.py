@@ -58,14 +58,8 @@ BF16_LOGIT_TOLERANCE = 0.1  # logits are ~3; a weight in the wrong place moves t
 
 
 def tiny_hf_config(family: str, **overrides):
-    return _tiny_hf_config(
-        family,
-        vocab_size=VOCAB,
-        max_position_embeddings=512,
-        bos_token_id=1,
-        eos_token_id=2,
-        **overrides,
-    )
+    defaults = {"max_position_embeddings": 512, "bos_token_id": 1, "eos_token_id": 2}
+    return _tiny_hf_config(family, vocab_size=VOCAB, **(defaults | overrides))
 
 
 def save_tokenizer(path: Path) -> None:
