@@ -27,9 +27,24 @@ class RolloutConfig:
     """Where generations come from and how they are sampled."""
 
     engine: Literal["embedded", "sglang"] = "embedded"
-    """The embedded CPU server inside the trainer, or SGLang servers at ``urls``."""
+    """The embedded CPU server inside the trainer, or SGLang servers (started or at ``urls``)."""
     urls: list[str] = field(default_factory=list)
     """SGLang servers (or one sglang-router) to attach to when engine=sglang."""
+    launch_command: str | None = None
+    """Start the SGLang servers from this command template instead of attaching to ``urls``,
+    e.g. ``python -m sglang.launch_server --model-path /ckpt --host {host} --port {port}``;
+    ``{port}`` is filled per server (also ``{host}``, ``{index}``, ``{model}``)."""
+    num_servers: int = 1
+    """How many servers ``launch_command`` starts, each on a free port."""
+    server_host: str = "127.0.0.1"
+    """Address the launched servers listen on (``{host}``)."""
+    server_startup_timeout_s: float = 600.0
+    """Limit for the launched servers to generate (``/health_generate``) and join the router."""
+    server_log_dir: str | None = None
+    """Where each launched server's log goes; None makes a temporary directory."""
+    router_url: str | None = None
+    """sglang-router to register the servers with and to generate through; weight
+    updates still go to each server."""
     prompts_per_step: int = 8
     """Prompt groups per RL step."""
     samples_per_prompt: int = 4
@@ -45,8 +60,11 @@ class RolloutConfig:
     """Give completions cut by max_new_tokens no loss tokens (overlong filtering)."""
     max_concurrency: int = 64
     request_timeout_s: float = 600.0
-    sync_method: Literal["tensor", "disk"] = "tensor"
-    """How weights reach the servers after each step."""
+    sync_method: Literal["tensor", "disk", "distributed"] = "tensor"
+    """How weights reach the servers after each step; ``tensor`` (shared memory) and ``disk``
+    need the servers on this machine, ``distributed`` (a gloo/nccl broadcast) does not."""
+    sync_master_address: str = "127.0.0.1"
+    """This process's address as the servers reach it (sync_method=distributed)."""
     sync_bucket_mb: int = 512
     """Largest tensor-update request."""
     dump_dir: str | None = None
@@ -58,8 +76,15 @@ class RolloutConfig:
         for name in ("prompts_per_step", "samples_per_prompt", "max_new_tokens", "max_concurrency"):
             if getattr(self, name) < 1:
                 raise ValueError(f"rollout.{name} must be >= 1, got {getattr(self, name)}")
-        if self.engine == "sglang" and not self.urls and self.replay_dir is None:
-            raise ValueError("rollout.engine=sglang needs rollout.urls")
+        if self.num_servers < 1:
+            raise ValueError(f"rollout.num_servers must be >= 1, got {self.num_servers}")
+        if self.engine == "sglang" and self.replay_dir is None:
+            if not self.urls and not self.launch_command:
+                raise ValueError("rollout.engine=sglang needs rollout.urls or launch_command")
+            if self.urls and self.launch_command:
+                raise ValueError("set rollout.urls (attach) or rollout.launch_command, not both")
+        if self.sync_method == "distributed" and self.engine != "sglang":
+            raise ValueError("rollout.sync_method=distributed needs rollout.engine=sglang")
 
 
 @dataclass

@@ -1,0 +1,144 @@
+# Shared by examples/run_grpo_<model>.sh: paths, checkpoint conversion, SGLang engines, launch.
+#
+# A run script sets MODEL_ARGS (by sourcing examples/models/<model>.sh), HF_NAME (the Hugging
+# Face directory name), TRAIN_NODES, TP, PP, CP, ROLLOUT_ARGS and PERF_ARGS (batch sizes and
+# lengths), ROLLOUT_NODES, SGLANG_TP and SGLANG_ARGS, then sources this file and calls
+#   run_recipe "$@"
+# where "$@" is [--dry-run | --rollout] [--set key=value ...]:
+#   (none)     train: convert the HF checkpoint once (node 0), wait for the SGLang engines
+#              (node 0), then torchrun on this node.
+#   --dry-run  check the layout and memory per GPU at NNODES x GPUS_PER_NODE; starts nothing.
+#   --rollout  start this host's SGLang engines (GPUs ROLLOUT_GPUS, SGLANG_TP per engine) and
+#              wait; run it on each of the ROLLOUT_NODES rollout hosts first.
+#
+# Environment, with defaults (relative paths are from the repository root):
+#   NNODES=TRAIN_NODES NODE_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 GPUS_PER_NODE=8
+#     (MASTER_ADDR is also where the engines reach global rank 0 for the weight broadcast:
+#     with engines on other hosts, give node 0's address even for a single training node)
+#   MODELS_DIR=models        HF_DIR=$MODELS_DIR/$HF_NAME  MEGATRON_DIR=$HF_DIR-megatron
+#   DATA=data/math/train.jsonl  (jsonl or parquet with "prompt" and "label" columns)
+#   OUTPUT_DIR=runs/<recipe>    (on a filesystem every training node sees: checkpoints)
+#   ROLLOUT_HOSTS=127.0.0.1     (the rollout hosts, comma separated)
+#   ROLLOUT_GPUS=0,...,GPUS_PER_NODE-1  SGLANG_PORT=30000 (engine i listens on SGLANG_PORT+i)
+#   SGLANG_PYTHON=python        (the interpreter that has sglang, e.g. another virtualenv)
+# shellcheck shell=bash
+# shellcheck disable=SC2034  # TRAIN_ARGS etc. are read by the functions below
+
+EXAMPLES=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+cd "$EXAMPLES/.." || exit
+
+RECIPE=$(basename "$0" .sh)
+RECIPE=${RECIPE#run_}
+NNODES=${NNODES:-$TRAIN_NODES}
+NODE_RANK=${NODE_RANK:-0}
+MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
+MASTER_PORT=${MASTER_PORT:-29500}
+GPUS_PER_NODE=${GPUS_PER_NODE:-8}
+MODELS_DIR=${MODELS_DIR:-models}
+HF_DIR=${HF_DIR:-$MODELS_DIR/$HF_NAME}
+MEGATRON_DIR=${MEGATRON_DIR:-$HF_DIR-megatron}
+DATA=${DATA:-data/math/train.jsonl}
+OUTPUT_DIR=${OUTPUT_DIR:-runs/$RECIPE}
+ROLLOUT_HOSTS=${ROLLOUT_HOSTS:-127.0.0.1}
+ROLLOUT_GPUS=${ROLLOUT_GPUS:-$(seq -s, 0 $((GPUS_PER_NODE - 1)))}
+SGLANG_PORT=${SGLANG_PORT:-30000}
+SGLANG_PYTHON=${SGLANG_PYTHON:-python}
+
+# Engine URLs: every rollout host runs (number of ROLLOUT_GPUS) / SGLANG_TP engines.
+IFS=, read -r -a _rollout_gpus <<<"$ROLLOUT_GPUS"
+ENGINES_PER_HOST=$((${#_rollout_gpus[@]} / SGLANG_TP))
+ROLLOUT_URLS=()
+for _host in ${ROLLOUT_HOSTS//,/ }; do
+  for ((_i = 0; _i < ENGINES_PER_HOST; _i++)); do
+    ROLLOUT_URLS+=("http://$_host:$((SGLANG_PORT + _i))")
+  done
+done
+
+CKPT_ARGS=(
+  --set train.init="$MEGATRON_DIR"
+  --set tokenizer="$HF_DIR"
+  --set output_dir="$OUTPUT_DIR"
+)
+LAYOUT_ARGS=(--set parallel.tp="$TP" --set parallel.pp="$PP" --set parallel.cp="$CP")
+URL_LIST=$(printf '"%s",' "${ROLLOUT_URLS[@]}")
+TRAIN_ARGS=(
+  --config "$EXAMPLES/grpo_math.yaml"
+  "${MODEL_ARGS[@]}"
+  "${CKPT_ARGS[@]}"
+  "${LAYOUT_ARGS[@]}"
+  "${PERF_ARGS[@]}"
+  "${ROLLOUT_ARGS[@]}"
+  --set data.path="$DATA"
+  --set rollout.urls="[${URL_LIST%,}]"
+  --set rollout.sync_master_address="$MASTER_ADDR"
+)
+
+run_recipe() {
+  case "${1:-}" in
+    --dry-run) shift && dry_run "$@" ;;
+    --rollout) shift && start_engines ;;
+    *) train "$@" ;;
+  esac
+}
+
+dry_run() {
+  megatron-grpo train --dry-run --nnodes "$NNODES" --gpus-per-node "$GPUS_PER_NODE" \
+    "${TRAIN_ARGS[@]}" "$@"
+}
+
+train() {
+  if [ "$NODE_RANK" = 0 ]; then
+    convert_checkpoint "$@"
+    wait_for_engines
+  else
+    wait_for_file "$MEGATRON_DIR/model.yaml"
+  fi
+  torchrun --nnodes "$NNODES" --node_rank "$NODE_RANK" --master_addr "$MASTER_ADDR" \
+    --master_port "$MASTER_PORT" --nproc_per_node "$GPUS_PER_NODE" \
+    -m megatron_grpo.cli train "${TRAIN_ARGS[@]}" "$@"
+}
+
+# HF -> megatron, once. Distributed checkpoints load at any layout, so the conversion runs
+# at the recipe's TP on this node alone (PP=1).
+convert_checkpoint() {
+  if [ -e "$MEGATRON_DIR" ]; then
+    return
+  fi
+  mkdir -p "$OUTPUT_DIR"
+  megatron-grpo config "${TRAIN_ARGS[@]}" "$@" >"$OUTPUT_DIR/recipe.yaml"
+  python tools/convert_hf_to_megatron.py --hf-dir "$HF_DIR" --out "$MEGATRON_DIR" \
+    --tp "$TP" --pp 1 --model-config "$OUTPUT_DIR/recipe.yaml"
+}
+
+wait_for_file() {
+  echo "waiting for $1 (written by node 0)"
+  until [ -e "$1" ]; do sleep 10; done
+}
+
+wait_for_engines() {
+  local url hosts
+  read -r -a hosts <<<"${ROLLOUT_HOSTS//,/ }"
+  if [ "${#hosts[@]}" != "$ROLLOUT_NODES" ]; then
+    echo "note: this recipe plans $ROLLOUT_NODES rollout host(s); ROLLOUT_HOSTS names ${#hosts[@]}"
+  fi
+  for url in "${ROLLOUT_URLS[@]}"; do
+    echo "waiting for the SGLang engine at $url"
+    until curl -sf "$url/health" >/dev/null; do sleep 10; done
+  done
+}
+
+# SGLang engines on this host, SGLANG_TP GPUs each, in the background; stops them all when
+# one exits or this script is interrupted.
+start_engines() {
+  local i devices
+  ENGINE_PIDS=()
+  for ((i = 0; i < ENGINES_PER_HOST; i++)); do
+    devices=$(IFS=,; echo "${_rollout_gpus[*]:i * SGLANG_TP:SGLANG_TP}")
+    CUDA_VISIBLE_DEVICES=$devices "$SGLANG_PYTHON" -m sglang.launch_server \
+      --model-path "$HF_DIR" --host 0.0.0.0 --port $((SGLANG_PORT + i)) \
+      --tp-size "$SGLANG_TP" "${SGLANG_ARGS[@]}" &
+    ENGINE_PIDS+=("$!")
+  done
+  trap 'kill "${ENGINE_PIDS[@]}" 2>/dev/null' EXIT INT TERM
+  wait -n "${ENGINE_PIDS[@]}"
+}

@@ -1,0 +1,177 @@
+"""Weights into a real SGLang server: its tensor format, and a broadcast group with it.
+
+Tensor format. ``/update_weights_from_tensor`` takes, for each TP rank of
+the server, a base64 string of ``MultiprocessingSerializer.serialize(
+[(hf_name, tensor), ...])``: a pickle made by ``ForkingPickler`` with
+torch's multiprocessing reductions, which SGLang reads back with an
+allow-list of torch rebuild functions (``SafeUnpickler``). Both come from
+the standard library and torch, so the payload is built here without
+importing sglang. The pickle holds no tensor data, only handles: CPU tensors
+are placed in named shared-memory files (torch's ``file_system`` sharing
+strategy; a file descriptor cannot travel in an HTTP body). Hence:
+- the server must run on the same machine (the same ``/dev/shm``);
+- the tensors must stay referenced until the server has answered;
+- each TP rank gets its own pickle: unpickling drops the reference that
+  pickling took, once per pickle.
+
+Broadcast group. For ``/init_weights_update_group`` +
+``/update_weights_from_distributed`` the trainer is rank 0 of a new process
+group whose other ranks are the servers' TP workers. SGLang builds its end
+with ``torch.distributed``'s rendezvous on ``tcp://master_address:port``
+(rank 0 hosts the TCPStore), a ``PrefixStore(group_name)`` on it, and
+torch's process-group helper, which prefixes the store again with
+``"{group_name}/"`` and ``"{device}/"`` (``cpu`` for gloo, ``cuda`` for
+nccl) before building the backend. The trainer's end is built here from the
+same pieces directly: a ``TCPStore``, the same prefixes, and a
+``ProcessGroupGloo`` / ``ProcessGroupNCCL`` object. Nothing is registered
+with ``torch.distributed``'s global state, so the trainer's default group
+and megatron-core's groups are not touched. Each tensor is then one
+broadcast from rank 0, in the order the server was told
+(``names``/``dtypes``/``shapes``).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import datetime
+import io
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from multiprocessing.reduction import ForkingPickler
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing  # noqa: F401  (registers torch's reductions with ForkingPickler)
+from torch import Tensor
+
+# --------------------------------------------------------------------------- tensor format
+
+
+@contextlib.contextmanager
+def _file_system_sharing() -> Iterator[None]:
+    """torch's ``file_system`` sharing strategy for the duration (it is process-wide)."""
+    previous = torch.multiprocessing.get_sharing_strategy()
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    try:
+        yield
+    finally:
+        torch.multiprocessing.set_sharing_strategy(previous)
+
+
+def shared_copies(named: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """CPU copies of ``named`` in named shared-memory files (one copy, no other allocation)."""
+    out = {}
+    with _file_system_sharing():
+        for name, tensor in named.items():
+            shared = torch.empty(tensor.shape, dtype=tensor.dtype).share_memory_()
+            shared.copy_(tensor.detach())
+            out[name] = shared
+    return out
+
+
+def serialize_for_sglang(named: Mapping[str, Tensor]) -> str:
+    """One TP rank's entry of ``serialized_named_tensors`` (tensors from ``shared_copies``)."""
+    buffer = io.BytesIO()
+    with _file_system_sharing():
+        ForkingPickler(buffer).dump([(name, tensor) for name, tensor in named.items()])
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def sglang_tensor_payload(
+    shared: Mapping[str, Tensor], *, tp_size: int, weight_version: str, flush_cache: bool = True
+) -> dict[str, Any]:
+    """A ``/update_weights_from_tensor`` body for a server with ``tp_size`` ranks.
+
+    Keep ``shared`` referenced until the server has answered.
+    """
+    return {
+        "serialized_named_tensors": [serialize_for_sglang(shared) for _ in range(tp_size)],
+        "flush_cache": flush_cache,
+        "weight_version": weight_version,
+    }
+
+
+# --------------------------------------------------------------------------- broadcast group
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The name SGLang reads back with ``getattr(torch, name)``, e.g. ``float32``."""
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass
+class UpdateGroup:
+    """The trainer's end (rank 0) of a weight-broadcast process group with the servers."""
+
+    name: str
+    world_size: int
+    backend: str
+    device: torch.device
+    _store: Any
+    _pg: Any
+    broken: bool = False
+    """A broadcast failed part-way: the ranks are out of step, so the group must not be reused."""
+
+    def broadcast(self, tensors: Sequence[Tensor]) -> None:
+        """Broadcast each tensor from rank 0, in order; blocks until each is sent."""
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        options.rootTensor = 0
+        for tensor in tensors:
+            buffer = tensor.detach().to(self.device).contiguous()
+            self._pg.broadcast([buffer], options).wait()
+
+    def close(self) -> None:
+        self._pg = None
+        self._store = None
+
+
+def open_update_group(
+    *,
+    master_address: str,
+    master_port: int,
+    world_size: int,
+    group_name: str,
+    backend: str,
+    timeout_s: float,
+) -> UpdateGroup:
+    """Host the group's store and join as rank 0; blocks until every server rank has joined."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(
+        master_address,
+        master_port,
+        world_size,
+        is_master=True,
+        timeout=timeout,
+        wait_for_workers=False,
+        multi_tenant=True,
+    )
+    # The same prefixes as the server's end (see the module docstring).
+    device_type = "cuda" if backend == "nccl" else "cpu"
+    prefixed = dist.PrefixStore(
+        f"{device_type}/", dist.PrefixStore(f"{group_name}/", dist.PrefixStore(group_name, store))
+    )
+    if backend == "gloo":
+        from torch.distributed.distributed_c10d import ProcessGroupGloo
+
+        pg: Any = ProcessGroupGloo(prefixed, 0, world_size, timeout)
+        device = torch.device("cpu")
+    elif backend == "nccl":
+        from torch.distributed.distributed_c10d import ProcessGroupNCCL
+
+        options = ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        pg = ProcessGroupNCCL(prefixed, 0, world_size, options)
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        raise ValueError(f"weight-update group backend must be gloo or nccl, got {backend!r}")
+    return UpdateGroup(
+        name=group_name,
+        world_size=world_size,
+        backend=backend,
+        device=device,
+        _store=store,
+        _pg=pg,
+    )

@@ -1,0 +1,222 @@
+"""The dry run's arithmetic: parameter counts by hand and against known models, memory, refusals."""
+
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from megatron_grpo import cli
+from megatron_grpo.config import load_config
+from megatron_grpo.dry_run import (
+    GIB,
+    activation_bytes_per_token_layer,
+    dry_run,
+    layer_params,
+    layers_in_flight,
+    resolve_world_size,
+    stage_params,
+    total_params,
+)
+from megatron_grpo.parallel import ParallelDims
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# The CPU demo's model: h=64, f=128, 4 heads of 16 channels, 2 query groups, 15 tokens.
+TINY = [
+    "model.num_layers=2",
+    "model.hidden_size=64",
+    "model.ffn_hidden_size=128",
+    "model.num_attention_heads=4",
+    "model.num_query_groups=2",
+    "model.vocab_size=15",
+    "model.make_vocab_size_divisible_by=1",
+    "model.add_qkv_bias=true",
+]
+# One layer by hand: qkv 64 x (4 + 2 x 2) x 16 = 8192, its bias 128, proj 64 x 64 = 4096,
+# fc1 64 x 2 x 128 = 16384, fc2 128 x 64 = 8192, two RMSNorms 2 x 64 = 128.
+TINY_LAYER = 8192 + 128 + 4096 + 16384 + 8192 + 128
+
+
+def model_args(name: str) -> list[str]:
+    """The --set values of examples/models/<name>.sh."""
+    out = subprocess.run(
+        ["bash", "-c", f'source examples/models/{name}.sh && printf "%s\\n" "${{MODEL_ARGS[@]}}"'],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    return [a for a in out if a != "--set"]
+
+
+def test_tiny_layer_and_total_by_hand():
+    m = load_config(None, TINY).model
+    assert layer_params(m, 1) == TINY_LAYER == 37120
+    # + embedding 15 x 64, output layer 15 x 64, final norm 64
+    assert total_params(m) == 2 * TINY_LAYER + 960 + 960 + 64
+
+
+def test_tiny_stages_at_tp2_pp2_by_hand():
+    cfg = load_config(None, TINY + ["parallel.tp=2", "parallel.pp=2"])
+    s0, s1 = stage_params(cfg.model, cfg.parallel)
+    # TP halves the matrices and the QKV bias; the norms stay whole. The vocabulary is
+    # padded to 16 (a multiple of TP), so each vocabulary shard is 8 x 64.
+    layer = (8192 + 128 + 4096 + 16384 + 8192) // 2 + 128
+    assert [list(r) for r in s0.layers] == [[0]] and [list(r) for r in s1.layers] == [[1]]
+    assert (s0.layers_params, s0.embedding, s0.output_layer, s0.final_norm) == (layer, 512, 0, 0)
+    assert (s1.layers_params, s1.embedding, s1.output_layer, s1.final_norm) == (layer, 0, 512, 64)
+
+
+def test_tied_embeddings_have_a_copy_on_the_last_stage_only_with_pp():
+    tied = TINY + ["model.tie_embeddings=true"]
+    (only,) = stage_params(load_config(None, tied).model, ParallelDims())
+    assert (only.embedding, only.output_layer) == (960, 0)
+    assert total_params(load_config(None, tied).model) == 2 * TINY_LAYER + 960 + 64
+    cfg = load_config(None, tied + ["parallel.pp=2"])
+    _, last = stage_params(cfg.model, cfg.parallel)
+    assert last.output_layer == 960
+
+
+def test_interleaved_stages_hold_their_chunks():
+    cfg = load_config(None, TINY + ["model.num_layers=8", "parallel.pp=2", "parallel.vpp=2"])
+    s0, s1 = stage_params(cfg.model, cfg.parallel)
+    assert [list(r) for r in s0.layers] == [[0, 1], [4, 5]]
+    assert [list(r) for r in s1.layers] == [[2, 3], [6, 7]]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("tie", [False, True])
+def test_total_matches_the_hugging_face_model(family, tie):
+    from transformers import AutoModelForCausalLM
+
+    from megatron_grpo.convert.hf_config import hf_config_from_model_config
+
+    overrides = TINY + [
+        f"model.add_qkv_bias={family == 'qwen2'}",
+        f"model.qk_layernorm={family == 'qwen3'}",
+        f"model.tie_embeddings={tie}",
+        "model.head_dim=32",  # != hidden_size / heads, as in Qwen3
+    ]
+    m = load_config(None, overrides).model
+    hf = AutoModelForCausalLM.from_config(hf_config_from_model_config(m, family))
+    assert total_params(m) == sum(p.numel() for p in hf.parameters())
+
+
+@pytest.mark.parametrize(
+    "name, known",
+    [
+        ("qwen3_8b", 8_190_735_360),  # Qwen/Qwen3-8B: 8.2B
+        ("llama3.1_8b", 8_030_261_248),  # meta-llama/Llama-3.1-8B safetensors total
+        ("llama3.1_70b", 70_553_706_496),  # meta-llama/Llama-3.1-70B safetensors total
+    ],
+)
+def test_total_of_known_models(name, known):
+    assert total_params(load_config(None, model_args(name)).model) == known
+
+
+def test_stages_sum_to_the_model_at_tp1():
+    cfg = load_config(None, model_args("qwen3_8b") + ["parallel.pp=4"])
+    assert sum(s.total for s in stage_params(cfg.model, cfg.parallel)) == 8_190_735_360
+
+
+def memory(overrides, world_size=1):
+    report = dry_run(load_config(None, TINY + overrides), world_size=world_size)
+    return report, report.memory
+
+
+def test_bytes_per_parameter_of_the_model_states():
+    report, (m,) = memory(["model.params_dtype=bfloat16"])
+    n = report.params[0].total
+    # bf16 weights, fp32 main_grad, Adam: fp32 master + exp_avg + exp_avg_sq
+    assert (m.weights, m.gradients, m.optimizer, m.reference) == (2 * n, 4 * n, 12 * n, 0)
+    _, (m,) = memory(["model.params_dtype=float32"])
+    assert (m.weights, m.gradients, m.optimizer) == (4 * n, 4 * n, 8 * n)
+    _, (m,) = memory(["model.params_dtype=bfloat16", "optim.optimizer=sgd"])
+    assert m.optimizer == 4 * n
+    _, (m,) = memory(["model.params_dtype=bfloat16", "loss.kl_coef=0.01"])
+    assert m.reference == 2 * n
+
+
+def test_optimizer_states_are_not_divided_by_dp():
+    _, (one,) = memory([], world_size=1)
+    _, (four,) = memory([], world_size=4)
+    assert one.optimizer == four.optimizer and one.total == four.total
+
+
+def test_activations_per_token_and_layer_by_hand():
+    cfg = load_config(None, TINY + ["model.params_dtype=bfloat16"])
+    # bf16: 4h replicated, (2a + 2g)d + 3f sharded; fp32 softmax stats per head.
+    by_hand = 2 * (4 * 64 + (2 * 4 + 2 * 2) * 16 + 3 * 128) + 4 * 4
+    assert activation_bytes_per_token_layer(cfg.model, cfg.parallel, 512, packed=False) == by_hand
+    tp2 = ParallelDims(tp=2)
+    by_hand_tp2 = 2 * (4 * 64 + ((2 * 4 + 2 * 2) * 16 + 3 * 128) / 2) + 4 * 4 / 2
+    assert activation_bytes_per_token_layer(cfg.model, tp2, 512, packed=False) == by_hand_tp2
+    packed = activation_bytes_per_token_layer(cfg.model, cfg.parallel, 512, packed=True)
+    assert packed == by_hand + 6 * 4 * 512  # unfused attention probabilities
+
+
+def test_1f1b_in_flight_micro_batches():
+    assert [layers_in_flight(32, ParallelDims(pp=4), r) for r in range(4)] == [32, 24, 16, 8]
+    # interleaved: the first stage holds L x (1 + (PP - 1) / (PP x VPP)) (Megatron's formula)
+    assert layers_in_flight(32, ParallelDims(pp=4, vpp=2), 0) == 32 * (1 + 3 / 8)
+
+
+def test_logits_only_on_the_last_stage():
+    _, (first, last) = memory(["parallel.pp=2", "train.max_tokens_per_micro_batch=100"], 2)
+    assert first.logits == 0
+    assert last.logits == 100 * 15 * 18
+
+
+def test_invalid_layouts_name_the_reason():
+    def check(overrides, world_size, match):
+        with pytest.raises(ValueError, match=match):
+            dry_run(load_config(None, TINY + overrides), world_size=world_size)
+
+    check(["parallel.tp=2"], 3, r"world size 3 is not divisible by TP\(2\) x PP\(1\) x CP\(1\)")
+    check(["parallel.pp=4"], 4, r"model.num_layers=2 is not divisible by .* PP\(4\)")
+    check(["parallel.tp=8"], 8, "model.num_attention_heads=4 is not divisible by TP=8")
+    check(["model.num_query_groups=1", "parallel.tp=2"], 2, "num_query_groups=1 is not")
+    check(["model.ffn_hidden_size=129", "parallel.tp=2"], 2, "ffn_hidden_size=129 is not")
+    check(["train.global_batch_size=4", "rollout.samples_per_prompt=4"], 8, "below DP=8")
+
+
+def test_too_big_is_refused_with_what_to_change():
+    cfg = load_config(None, model_args("qwen3_8b"))
+    report = dry_run(cfg, world_size=8, gpu_memory_gb=80)
+    assert not report.fits
+    msg = report.refusal()
+    assert "does not fit" in msg and "80 GiB" in msg
+    assert "raise parallel.tp (now 1) or parallel.pp (now 1)" in msg
+    assert "use_distributed_optimizer=False" in msg
+    assert "train.max_tokens_per_micro_batch" in msg
+    assert report.worst.total > 80 * GIB
+
+
+def test_world_size_from_flags():
+    assert resolve_world_size(None, None, None) == (8, 8)
+    assert resolve_world_size(16, None, None) == (16, None)
+    assert resolve_world_size(None, 4, None) == (32, 8)
+    assert resolve_world_size(8, 2, 4) == (8, 4)
+    with pytest.raises(ValueError, match="--world-size 8 is not --nnodes 2 x --gpus-per-node 8"):
+        resolve_world_size(8, 2, None)
+
+
+def test_cli_exit_codes_and_no_process_group(capsys):
+    tiny = [f"--set={o}" for o in TINY]
+    assert cli.main(["train", *tiny, "--dry-run", "--world-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "layout: DP=2 TP=1 PP=1 CP=1" in out and "verdict: fits" in out
+    assert not dist.is_initialized()
+
+    big = [f"--set={o}" for o in model_args("qwen3_8b")]
+    assert cli.main(["train", *big, "--dry-run", "--nnodes", "1"]) == 2
+    captured = capsys.readouterr()
+    assert "verdict: DOES NOT FIT" in captured.out
+    assert "error: the layout does not fit" in captured.err
+
+    assert cli.main(["train", *tiny, "--set=parallel.tp=8", "--dry-run"]) == 2
+    assert "num_attention_heads=4 is not divisible by TP=8" in capsys.readouterr().err
+
+    assert cli.main(["train", *tiny, "--world-size", "2"]) == 2
+    assert "need --dry-run" in capsys.readouterr().err
