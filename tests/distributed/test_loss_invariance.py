@@ -44,7 +44,7 @@ def test_check_catches_planted_peer_bugs(bug, layout):
         permute=False,
         worker=f"{WORKERS}:planted_bug_layout",
         worker_kwargs={"bug": bug},
-        timeout=300,
+        timeout=600,
     )
     worst = max(max(e.values()) for e in errs[str(layout)].values())
     assert worst > 0.1, errs

@@ -38,7 +38,7 @@ def assets(tmp_path_factory) -> Path:
     return out
 
 
-def train(out: Path, assets: Path, *overrides: str, nproc: int = 2, timeout: int = 300):
+def train(out: Path, assets: Path, *overrides: str, nproc: int = 2, timeout: int = 600):
     args = [
         sys.executable,
         "-m",
