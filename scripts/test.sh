@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Set up a fresh machine (or reuse its .venv), lint, type-check and run the test suite.
+# Set up a fresh machine (or reuse its .venv), lint, type-check and run the test suite,
+# then the tier that runs a real SGLang 0.5.23 server on CPU (its own .venv-sglang).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup_env.sh
@@ -7,4 +8,8 @@ bash scripts/setup_env.sh
 ruff check .
 ruff format --check .
 mypy
-python -m pytest -q -p no:cacheprovider --durations=15 "$@"
+python -m pytest -q -p no:cacheprovider --durations=15 -m "not sglang" "$@"
+# The real-SGLang tier: setup fails loudly (never a silent skip), and -m sglang makes
+# its tests fail rather than skip if the server venv is missing.
+bash scripts/setup_sglang_venv.sh
+python -m pytest -q -p no:cacheprovider -m sglang -rA tests/sglang

@@ -12,7 +12,9 @@ strategy; a file descriptor cannot travel in an HTTP body). Hence:
 - the server must run on the same machine (the same ``/dev/shm``);
 - the tensors must stay referenced until the server has answered;
 - each TP rank gets its own pickle: unpickling drops the reference that
-  pickling took, once per pickle.
+  pickling took, once per pickle, and the files go when the last reference
+  does. A server that fails before unpickling never drops its reference:
+  that bucket's files then stay in ``/dev/shm``.
 
 Broadcast group. For ``/init_weights_update_group`` +
 ``/update_weights_from_distributed`` the trainer is rank 0 of a new process

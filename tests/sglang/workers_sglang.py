@@ -1,0 +1,161 @@
+"""The learner's side of the real-SGLang tier: a TP2 megatron policy talking to one server.
+
+``learner_scenario`` runs on 2 gloo ranks (``run_workers``). Global rank 0
+is the trainer's main rank: it generates through ``RolloutRuntime`` (attached
+to the server) and pushes weights; every rank takes part in the forward
+passes and the weight gathers. Phases:
+
+- ``initial``: the HF weights loaded into the learner; the server serves the
+  same checkpoint;
+- ``disk``, ``tensor``, ``distributed``: the learner's weights are changed
+  (seeded noise on every tensor), pushed with that method and weight version
+  = step, and the server generates again.
+
+Each phase records the server's greedy samples and, for the same tokens,
+the learner's per-token log-probs (``vocab_parallel_logprobs`` on the TP
+shards) and argmax (from the TP-gathered logits). Rank 0 returns them.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+METHODS = ("disk", "tensor", "distributed")
+
+
+def _learner_forward(model: list, ctx, tokens: list[int], vocab_size: int) -> dict[str, Any]:
+    """Per-position logprob of the next token and argmax, from one forward pass."""
+    from megatron_grpo.logprobs import vocab_parallel_logprobs
+    from megatron_grpo.schedule import run_schedule
+
+    ids = torch.tensor([tokens])
+    targets = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1)
+    out: dict[str, Any] = {}
+
+    def keep(batch, logits):
+        logp, _ = vocab_parallel_logprobs(
+            logits, batch["targets"], tp_group=ctx.tp_group, vocab_size=vocab_size
+        )
+        parts = [torch.empty_like(logits) for _ in range(ctx.dims.tp)]
+        dist.all_gather(parts, logits.contiguous(), group=ctx.tp_group)
+        full = torch.cat(parts, dim=-1)[..., :vocab_size]
+        out["logprobs"] = logp[0]
+        out["argmax"] = full[0].argmax(dim=-1)
+        return logits.sum() * 0, torch.tensor(1), {}
+
+    batch = {"tokens": ids, "position_ids": torch.arange(ids.shape[1])[None], "targets": targets}
+    with torch.no_grad():
+        run_schedule(model, ctx, [batch], keep, forward_only=True)
+    return out
+
+
+def _phase(runtime, model, ctx, cfg, rollout_cfg, prompts) -> list[dict[str, Any]]:
+    """The server's greedy samples (from rank 0, to all) and the learner's view of them."""
+    samples = None
+    if ctx.is_main:
+        groups = runtime.generate_groups(prompts, rollout_cfg, seed=0, stop_token_ids=[])
+        samples = [
+            {
+                "prompt": list(s.prompt_ids),
+                "output": list(s.output_ids),
+                "server_logprobs": list(s.rollout_logprobs),
+                "finish": s.finish_reason.type,
+                "weight_version": s.weight_version,
+            }
+            for g in groups
+            for s in g
+        ]
+    box = [samples]
+    dist.broadcast_object_list(box, src=0)
+    rows: list[dict[str, Any]] = box[0]  # type: ignore[assignment]  # set on every rank now
+    for row in rows:
+        start = len(row["prompt"]) - 1  # the position that predicts the first output token
+        fwd = _learner_forward(model, ctx, row["prompt"] + row["output"], cfg.vocab_size)
+        n = len(row["output"])
+        row["learner_logprobs"] = fwd["logprobs"][start : start + n].tolist()
+        row["learner_argmax"] = fwd["argmax"][start : start + n].tolist()
+    return rows
+
+
+def _perturb(model: list, ctx, cfg, seed: int) -> None:
+    """New weights that are still a sensible model: seeded noise on the full tensors.
+
+    Made on rank 0 and loaded by every rank, so that tensors replicated over
+    TP (norms, row-parallel biases) stay equal on all ranks.
+    """
+    from megatron_grpo.full_state import gather_full_state, load_full_state
+
+    full = gather_full_state(model, ctx, vocab_size=cfg.vocab_size)
+    if full is not None:
+        gen = torch.Generator().manual_seed(seed)
+        full = {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in sorted(full.items())}
+    box = [full]
+    dist.broadcast_object_list(box, src=0)
+    assert box[0] is not None
+    load_full_state(model, box[0], cfg, ctx)
+
+
+def learner_scenario(
+    hf_dir: str, url: str, prompts: list[list[int]], max_new_tokens: int, work_dir: str
+) -> dict[str, Any] | None:
+    from megatron_grpo import weight_sync
+    from megatron_grpo.convert.checkpoints import resolve_hf_model
+    from megatron_grpo.convert.hf_files import HFCheckpoint, MegatronView
+    from megatron_grpo.full_state import load_full_state
+    from megatron_grpo.model import build_model
+    from megatron_grpo.parallel import ParallelDims, init_parallel
+    from megatron_grpo.rollout_runtime import RolloutRuntime
+    from megatron_grpo.rollout_stage import RolloutConfig
+
+    ctx = init_parallel(ParallelDims(tp=2))
+    cfg = resolve_hf_model(hf_dir)
+    model = build_model(cfg, ctx, wrap_ddp=False)
+    load_full_state(model, MegatronView(HFCheckpoint(hf_dir), cfg), cfg, ctx)
+
+    def rollout_cfg(method: str) -> RolloutConfig:
+        return RolloutConfig(
+            engine="sglang",
+            urls=[url],
+            prompts_per_step=len(prompts),
+            samples_per_prompt=1,
+            max_new_tokens=max_new_tokens,
+            temperature=0.0,
+            sync_method=method,  # type: ignore[arg-type]
+            sync_bucket_mb=1,  # several buckets even for this tiny model
+        )
+
+    phases: dict[str, Any] = {}
+    timings: dict[str, float] = {}
+    runtime = RolloutRuntime(rollout_cfg("tensor")) if ctx.is_main else None
+    phases["initial"] = _phase(runtime, model, ctx, cfg, rollout_cfg("tensor"), prompts)
+    if runtime is not None:
+        runtime.close()
+    for step, method in enumerate(METHODS, start=1):
+        _perturb(model, ctx, cfg, seed=step)
+        named = weight_sync.hf_state(model, ctx, cfg, "qwen2")  # collective
+        runtime = RolloutRuntime(rollout_cfg(method)) if ctx.is_main else None
+        if runtime is not None:
+            assert named is not None
+            start = time.perf_counter()
+            runtime.push_weights(
+                named,
+                weight_version=str(step),
+                model_cfg=cfg,
+                family="qwen2",
+                **({"disk_dir": f"{work_dir}/step_{step}"} if method == "disk" else {}),
+            )
+            timings[method] = time.perf_counter() - start
+        phases[method] = _phase(runtime, model, ctx, cfg, rollout_cfg(method), prompts)
+        if runtime is not None:
+            runtime.close()
+    # The trainer's own groups still work after the broadcast group came and went.
+    check = torch.ones(1)
+    dist.all_reduce(check)
+    if not ctx.is_main:
+        return None
+    world = ctx.world_size
+    return {"phases": phases, "push_s": timings, "all_reduce": float(check), "world": world}

@@ -1,0 +1,173 @@
+"""The trainer's ends of SGLang's weight transports, against stand-in receivers.
+
+- The broadcast group: the receivers are separate processes that join the
+  way an SGLang server does in ``/init_weights_update_group`` (a ``tcp://``
+  rendezvous, ``PrefixStore(group_name)`` and torch's own process-group
+  helper), at SGLang's rank offsets, and receive each tensor by broadcast.
+- The tensor format: another process unpickles the payload with an
+  allow-list of torch names, as SGLang's ``SafeUnpickler`` does, and sees
+  the same tensors.
+
+The real SGLang server runs both in tests/sglang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import gc
+import json
+import pickle
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_grpo import weight_sync
+from megatron_grpo.launch import free_port
+from megatron_grpo.rollout.sglang_weights import (
+    dtype_name,
+    open_update_group,
+    serialize_for_sglang,
+    sglang_tensor_payload,
+    shared_copies,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+RECEIVER = textwrap.dedent(
+    """
+    import datetime, json, sys
+    import torch
+    from torch.distributed import PrefixStore, rendezvous
+    from torch.distributed.distributed_c10d import Backend, _new_process_group_helper
+
+    port, rank, world, name, shapes = json.loads(sys.argv[1])
+    timeout = datetime.timedelta(seconds=60)
+    store, rank, world = next(rendezvous(f"tcp://127.0.0.1:{port}", rank, world, timeout=timeout))
+    pg, _ = _new_process_group_helper(
+        world, rank, [], Backend("gloo"), PrefixStore(name, store), group_name=name,
+        timeout=timeout,
+    )
+    sums = []
+    for shape, dtype in shapes:
+        t = torch.empty(shape, dtype=getattr(torch, dtype))
+        pg.broadcast(t, 0).wait()
+        sums.append(float(t.double().sum()))
+    print(json.dumps(sums))
+    """
+)
+
+UNPICKLER = textwrap.dedent(
+    """
+    import base64, io, json, pickle, sys
+    import torch
+
+    class AllowList(pickle.Unpickler):
+        def find_class(self, module, name):
+            if module.split(".")[0] in ("torch", "builtins", "collections"):
+                return super().find_class(module, name)
+            raise RuntimeError(f"blocked {module}.{name}")
+
+    out = []
+    for entry in json.loads(sys.stdin.read()):
+        pairs = AllowList(io.BytesIO(base64.b64decode(entry))).load()
+        out.append({n: [list(t.shape), str(t.dtype), float(t.double().sum())] for n, t in pairs})
+        del pairs  # as a server does once loaded: the last reference frees the shared memory
+    print(json.dumps(out))
+    """
+)
+
+
+@pytest.mark.slow
+def test_broadcast_group_reaches_receivers_built_like_sglangs():
+    tensors = {
+        "a": torch.arange(12, dtype=torch.float32).view(3, 4),
+        "b": torch.full((5,), 0.5, dtype=torch.bfloat16),
+        "c": torch.arange(7, dtype=torch.int64),
+    }
+    shapes = [[list(t.shape), dtype_name(t.dtype)] for t in tensors.values()]
+    port, name, world = free_port(), "mgrpo_test_group", 3
+    receivers = [
+        subprocess.Popen(
+            [sys.executable, "-c", RECEIVER, json.dumps([port, rank, world, name, shapes])],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (1, 2)  # rank_offset 1 for the first server, as weight_sync assigns
+    ]
+    group = open_update_group(
+        master_address="127.0.0.1",
+        master_port=port,
+        world_size=world,
+        group_name=name,
+        backend="gloo",
+        timeout_s=60,
+    )
+    group.broadcast(list(tensors.values()))
+    expected = [float(t.double().sum()) for t in tensors.values()]
+    for receiver in receivers:
+        out, _ = receiver.communicate(timeout=60)
+        assert receiver.returncode == 0
+        assert json.loads(out) == expected
+    group.close()
+    assert not dist.is_initialized()  # nothing registered with torch.distributed
+
+
+@pytest.mark.slow
+def test_tensor_payload_unpickles_elsewhere_with_a_torch_only_allow_list():
+    named = {
+        "model.embed_tokens.weight": torch.randn(10, 4),
+        "model.norm.weight": torch.ones(4, dtype=torch.bfloat16),
+    }
+    shared = shared_copies(named)
+    assert all(t.is_shared() for t in shared.values())
+    payload = sglang_tensor_payload(shared, tp_size=2, weight_version="7")
+    assert payload["weight_version"] == "7" and payload["flush_cache"] is True
+    assert "load_format" not in payload  # SGLang's default loader (model.load_weights)
+    entries = payload["serialized_named_tensors"]
+    assert len(entries) == 2  # one per TP rank, each unpickled once by its rank
+    done = subprocess.run(
+        [sys.executable, "-c", UNPICKLER],
+        input=json.dumps(entries),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    expected = {n: [list(t.shape), str(t.dtype), float(t.double().sum())] for n, t in named.items()}
+    assert json.loads(done.stdout) == [expected, expected]
+    names = [t.untyped_storage()._share_filename_cpu_()[1].decode() for t in shared.values()]
+    del shared, payload, entries
+    gc.collect()
+    assert not [n for n in names if Path("/dev/shm", n.lstrip("/")).exists()]  # nothing leaks
+
+
+def consume(entry: str) -> list:
+    """Unpickle once, as the server's rank does (each pickle holds one reference)."""
+    return pickle.loads(base64.b64decode(entry))
+
+
+def test_only_handles_travel():
+    big = shared_copies({"w": torch.zeros(256, 256)})
+    entry = serialize_for_sglang(big)
+    assert len(base64.b64decode(entry)) < 1024  # the data would be 256 KiB
+    [(name, tensor)] = consume(entry)
+    assert name == "w" and tensor.shape == (256, 256)
+
+
+def test_sharing_strategy_is_restored():
+    before = torch.multiprocessing.get_sharing_strategy()
+    consume(serialize_for_sglang(shared_copies({"w": torch.ones(2)})))
+    assert torch.multiprocessing.get_sharing_strategy() == before
+
+
+def test_distributed_push_needs_an_update_group():
+    with pytest.raises(ValueError, match="needs update_group"):
+        asyncio.run(
+            weight_sync.push(None, {}, method="distributed", weight_version="1", update_group=None)
+        )
