@@ -59,8 +59,8 @@ def set_loss_weights(
     """
     if not ctx.is_last_stage:
         return
-    seq_tokens = torch.cat([mb["seq_tokens"] for mb in micro_batches])
-    group_ids = torch.cat([mb["group_ids"] for mb in micro_batches])
+    seq_tokens = torch.cat([mb["seq_tokens"] for mb in micro_batches]).cpu()
+    group_ids = torch.cat([mb["group_ids"] for mb in micro_batches]).cpu()
     counts = global_counts(
         seq_tokens, group_ids, num_groups, group=ctx.dp_cp_group, count_here=ctx.cp_rank == 0
     )
@@ -68,7 +68,7 @@ def set_loss_weights(
         cfg.mode, counts, seq_tokens, group_ids, max_len=cfg.max_len or max_len
     )
     for mb, w in zip(micro_batches, weights.split([len(mb["seq_tokens"]) for mb in micro_batches])):
-        mb["loss_weights"] = w
+        mb["loss_weights"] = w.to(mb["loss_mask"].device)
 
 
 def grpo_loss(

@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from megatron_grpo.device import compute_device
+
 Mode = Literal[
     "token-mean",
     "seq-mean-token-mean",
@@ -114,7 +116,9 @@ def global_counts(
     if not count_here:
         vec.zero_()
     if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(vec, group=group)
+        on_device = vec.to(compute_device())  # nccl reduces GPU tensors only
+        dist.all_reduce(on_device, group=group)
+        vec = on_device.cpu()
     return GlobalCounts.from_vector(vec)
 
 

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from megatron_grpo.batch import Sample, collate
 from megatron_grpo.config import LossConfig
+from megatron_grpo.device import compute_device
 from megatron_grpo.loss import METRIC_SUMS, compute_logprobs, grpo_loss, set_loss_weights
 from megatron_grpo.parallel import ParallelContext
 from megatron_grpo.plan import plan
@@ -72,7 +73,11 @@ def _micro_batches(batch: list[Sample], ctx: ParallelContext, s: StepSettings) -
     mbs = [
         collate([[renumbered[i] for i in row] for row in mb]) for mb in p.micro_batches(ctx.dp_rank)
     ]
+    dev = compute_device()
     for mb in mbs:
+        for key, value in mb.items():
+            if isinstance(value, torch.Tensor):
+                mb[key] = value.to(dev)
         mb["num_groups"] = len(groups)
     return mbs
 
@@ -135,7 +140,9 @@ def reduce_metrics(per_mb: list[dict[str, Any]], ctx: ParallelContext) -> dict[s
         for mb in per_mb:
             totals += torch.tensor([float(mb[k]) for k in keys], dtype=torch.float64)
     if ctx.world_size > 1:
-        dist.all_reduce(totals)
+        on_device = totals.to(compute_device())  # nccl reduces GPU tensors only
+        dist.all_reduce(on_device)
+        totals = on_device.cpu()
     sums = dict(zip(keys, totals.tolist()))
     tokens = max(sums["tokens"], 1.0)
     return {

@@ -116,7 +116,8 @@ class SGLangClient:
     async def __aenter__(self) -> SGLangClient:
         # No connection limit here: the semaphore bounds /generate, and an abort
         # or pause must never queue behind the generations it is meant to stop.
-        connector = aiohttp.TCPConnector(limit=0)
+        # SGLang (uvicorn) drops idle connections after 5 s; never reuse one idle that long.
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0)
         self._session = aiohttp.ClientSession(connector=connector)
         return self
 
