@@ -1,0 +1,196 @@
+"""Generation tokens/s: the embedded server through the HTTP client vs transformers ``generate``.
+
+    python bench/rollout.py                 # 8 prompts x 8 samples x 64 new tokens, Qwen3-shaped
+    python bench/rollout.py --prompts 16 --samples 4 --new-tokens 128
+    python bench/rollout.py --quick
+
+Both sides run the same random fp32 model (no end-of-sequence token, so every
+completion is exactly ``--new-tokens`` long) on the same prompts with the same
+sampling (temperature 1, top-p 1, no top-k), ``n`` samples per prompt, in this
+one process. The server side is what the trainer does: ``SGLangClient.generate``
+sends one ``/generate`` request per sample to ``start_embedded_server``, which
+batches everything queued into one decoding round and returns each token's
+log-prob. The baseline is one ``model.generate`` call over the left-padded
+prompts with ``num_return_sequences=n`` (no log-probs). A third side splits the
+server's time: ``decode.generate_batch``, the server's decoding loop, called
+directly on the same requests (no HTTP, no queue). The three alternate within
+each repeat, in rotating order. Reported: server tokens/s / generate tokens/s,
+and the same for the direct decoding loop.
+"""
+
+from __future__ import annotations
+
+from _common import Ratio, interleaved, parser, ratios, seconds, summary, write_result
+
+
+def make_model(quick: bool):
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    size = (
+        dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=500)
+        if quick
+        else dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, vocab_size=16000)
+    )
+    config = Qwen3Config(
+        **size,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=size["hidden_size"] // 4,
+        max_position_embeddings=1024,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
+    return Qwen3ForCausalLM(config).float().eval()
+
+
+def main() -> None:
+    p = parser(__doc__)
+    p.add_argument("--prompts", type=int)
+    p.add_argument("--samples", type=int, help="samples per prompt (n)")
+    p.add_argument("--new-tokens", type=int)
+    p.add_argument("--repeats", type=int)
+    p.add_argument("--warmup", type=int)
+    args = p.parse_args()
+
+    import asyncio
+
+    import torch
+    import transformers
+    from transformers import GenerationConfig
+
+    from megatron_grpo.rollout.client import ClientConfig, SGLangClient
+    from megatron_grpo.rollout.decode import SequenceSpec, generate_batch
+    from megatron_grpo.rollout.embedded_server import start_embedded_server
+    from megatron_grpo.rollout.types import RolloutRequest, SamplingParams
+
+    transformers.logging.set_verbosity_error()
+    num_prompts = args.prompts or (2 if args.quick else 8)
+    n = args.samples or (2 if args.quick else 8)
+    new_tokens = args.new_tokens or (8 if args.quick else 64)
+    repeats = args.repeats or (2 if args.quick else 7)
+    model = make_model(args.quick)
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(1)
+    prompts = [
+        torch.randint(
+            1, vocab, (int(torch.randint(8, 33, (1,), generator=g)),), generator=g
+        ).tolist()
+        for _ in range(num_prompts)
+    ]
+    server = start_embedded_server(model, max_batch_size=num_prompts * n, seed=0)
+    loop = asyncio.new_event_loop()
+    client = SGLangClient(ClientConfig(urls=(server.url,), max_concurrency=num_prompts * n))
+    loop.run_until_complete(client.__aenter__())
+    tokens: dict[str, list[int]] = {"server": [], "generate": [], "decode_direct": []}
+    seed = iter(range(1, 1 << 30))
+
+    def request() -> RolloutRequest:
+        return RolloutRequest(
+            prompts=tuple(tuple(x) for x in prompts),
+            num_samples=n,
+            sampling=SamplingParams(
+                max_new_tokens=new_tokens, temperature=1.0, ignore_eos=True, seed=next(seed)
+            ),
+        )
+
+    def via_server() -> None:
+        samples = loop.run_until_complete(client.generate(request()))
+        tokens["server"].append(sum(len(s.output_ids) for s in samples))
+
+    def via_decode_loop() -> None:
+        r = request()
+        specs = [
+            SequenceSpec(prompt_ids=p, sampling=r.sampling, seed=r.sample_seed(i, j) or 0)
+            for i, p in enumerate(r.prompts)
+            for j in range(n)
+        ]
+        done = generate_batch(model, specs, eos_token_ids=frozenset())
+        tokens["decode_direct"].append(sum(len(c.output_ids) for c in done))
+
+    width = max(len(x) for x in prompts)
+    input_ids = torch.tensor([[0] * (width - len(x)) + x for x in prompts])
+    attention_mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in prompts])
+    config = GenerationConfig(
+        do_sample=True,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        num_return_sequences=n,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
+
+    def via_generate() -> None:
+        torch.manual_seed(next(seed))
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=input_ids, attention_mask=attention_mask, generation_config=config
+            )
+        tokens["generate"].append(int(out[:, width:].numel()))
+
+    try:
+        times = interleaved(
+            {"server": via_server, "generate": via_generate, "decode_direct": via_decode_loop},
+            repeats=repeats,
+            warmup=args.warmup if args.warmup is not None else (0 if args.quick else 1),
+        )
+    finally:
+        loop.run_until_complete(client.close())
+        loop.close()
+        server.stop()
+    expected = num_prompts * n * new_tokens
+    if any(set(v) != {expected} for v in tokens.values()):
+        raise RuntimeError(f"token counts differ from {expected}: {tokens}")
+    # tokens/s ratio = inverse time ratio: both sides generate `expected` tokens
+    ratio = {
+        clock: Ratio.of(
+            f"embedded_server_tokens_per_s/generate_tokens_per_s [{clock}]",
+            [1 / r for r in ratios(times, ["server"], "generate", clock)],
+        )
+        for clock in ("cpu", "wall")
+    }
+    for r in ratio.values():
+        print(r.line())
+    direct = Ratio.of(
+        "decode_loop_tokens_per_s/generate_tokens_per_s [cpu]",
+        [1 / r for r in ratios(times, ["decode_direct"], "generate", "cpu")],
+    )
+    print("  " + direct.line())
+    per_s = {k: [expected / t.wall for t in v] for k, v in times.items()}
+    print(
+        f"  {num_prompts} prompts x {n} samples x {new_tokens} tokens: server "
+        f"{summary(per_s['server'])['median']:.0f} tokens/s, decoding loop alone "
+        f"{summary(per_s['decode_direct'])['median']:.0f}, generate "
+        f"{summary(per_s['generate'])['median']:.0f} tokens/s (wall, medians)"
+    )
+    write_result(
+        "rollout",
+        args.out,
+        {
+            "quick": args.quick,
+            "settings": {
+                "prompts": num_prompts,
+                "samples_per_prompt": n,
+                "new_tokens": new_tokens,
+                "repeats": repeats,
+                "model": {
+                    k: getattr(model.config, k)
+                    for k in ("hidden_size", "num_hidden_layers", "vocab_size")
+                },
+            },
+            "server_vs_generate": ratio,
+            "decode_loop_vs_generate": direct,
+            "tokens_per_s_wall": {k: summary(v) for k, v in per_s.items()},
+            "seconds": seconds(times),
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()
