@@ -140,6 +140,31 @@ def cmd_check_invariance(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def cmd_compare_modes(args: argparse.Namespace) -> int:
+    from megatron_grpo.compare import compare_modes
+    from megatron_grpo.normalization import MODES, check_mode
+
+    modes = list(MODES) if args.modes == "all" else [m for m in args.modes.split(",") if m]
+    for mode in modes:
+        check_mode(mode)
+    result = compare_modes(
+        config=args.config,
+        modes=modes,
+        num_seeds=args.seeds,
+        out=args.out,
+        overrides=args.overrides,
+        nproc=args.nproc,
+        threshold=args.threshold,
+        window=args.window,
+        k=args.last_k,
+        timeout=args.timeout or None,
+    )
+    print(result.markdown, end="")
+    for path in result.files:
+        print(path)
+    return 1 if result.failed else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-grpo", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -206,6 +231,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tolerance", type=float, default=1e-5)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per layout launch")
     p.set_defaults(func=cmd_check_invariance)
+
+    p = sub.add_parser(
+        "compare-modes",
+        help="train once per loss mode and seed, then plot the curves and tabulate",
+        description="Run the same training once per loss.mode and seed (sequentially, each "
+        "a 'megatron-grpo train' subprocess into OUT/<mode>/seed_<S>), reusing runs that "
+        "already finished, then write one figure per metric with one curve per mode and "
+        "a summary table (summary.md, summary.csv). Exits 1 if a run failed.",
+    )
+    add_config_args(p)
+    p.add_argument("--modes", default="all", help="comma-separated loss modes, or 'all'")
+    p.add_argument(
+        "--seeds", type=int, default=1, help="seeds per mode: the config's seed, +1, +2, ..."
+    )
+    p.add_argument("--out", help="where runs, figures and tables go (default: output_dir)")
+    p.add_argument("--nproc", type=int, default=1, help="processes per training run")
+    p.add_argument("--threshold", type=float, default=0.5, help="reward for steps-to-threshold")
+    p.add_argument("--window", type=int, default=5, help="moving-average window (steps)")
+    p.add_argument("--last-k", type=int, default=5, help="steps averaged for final values")
+    p.add_argument("--timeout", type=float, default=0, help="seconds per run; 0: no limit")
+    p.set_defaults(func=cmd_compare_modes)
     return parser
 
 
