@@ -41,6 +41,7 @@ FIGURES: dict[str, tuple[str, str]] = {
 """Figure file stem -> (metrics.jsonl key, axis label)."""
 
 REWARD, LENGTH, TRUNCATED = "reward_mean", "response_length_mean", "truncated_fraction"
+LINE_STYLES: tuple[Any, ...] = ("-", "--", "-.", ":", (0, (3, 1, 1, 1, 1, 1)))
 
 
 # --------------------------------------------------------------------------- maths
@@ -372,8 +373,11 @@ def plot_figures(series: dict[str, dict[str, Series]], out: Path, *, num_seeds: 
         if not curves:
             continue
         fig, ax = plt.subplots(figsize=(6.4, 3.6))
-        for mode, s in curves.items():
-            (line,) = ax.plot(s.steps, s.mean, label=mode, linewidth=1.5)
+        for i, (mode, s) in enumerate(curves.items()):
+            # Modes can coincide (group-seq-mean = seq-mean-token-mean with equal groups):
+            # line styles keep every curve visible.
+            style = LINE_STYLES[i % len(LINE_STYLES)]
+            (line,) = ax.plot(s.steps, s.mean, linestyle=style, label=mode, linewidth=1.5)
             if len(s.per_seed) > 1:
                 ax.fill_between(s.steps, s.low, s.high, color=line.get_color(), alpha=0.15)
         ax.set_xlabel("step")
