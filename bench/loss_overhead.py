@@ -11,21 +11,24 @@ each repeat and in rotating order, times:
   one DP all-reduce, ``grpo_loss`` with clipping, KL, entropy and truncated
   importance sampling, the optimizer, the metric reduction), old and
   reference log-probs already present;
+- ``grpo_no_entropy_bonus``: ``grpo`` with the entropy bonus off (entropy
+  still reported as a metric, without its gradient);
 - ``old``: the forward-only pass computing the old log-probs, which the
   trainer runs only when the policy moves within a rollout batch (mu > 1 or
   several optimizer steps per rollout). The reference-model pass (KL on) is
   one more forward of the same cost.
 
-Reported ratios: grpo / ce ("step only", target <= 1.10) and (grpo + old) / ce
-("with old-logprob pass"). Where the time goes: the loss functions alone
-(forward + backward on one micro-batch's logits) are timed the same way:
+Reported ratios: grpo / ce ("step only", target <= 1.10), the same without the
+entropy bonus, and (grpo + old) / ce ("with old-logprob pass"). Where the time
+goes: the loss functions alone (forward + backward on one micro-batch's logits)
+are timed the same way:
 megatron's cross-entropy, log-probs only, log-probs + entropy, full ``grpo_loss``.
 """
 
 from __future__ import annotations
 
 import statistics
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from _common import (
@@ -126,6 +129,18 @@ def worker(*, tp: int, pp: int, model_cfg, shape, repeats: int, warmup: int) -> 
         total_loss_tokens=num_loss_tokens(samples),
         max_len=shape.completion_len[1],
     )
+    # The same step with the entropy bonus off (its default in DAPO, Dr. GRPO and slime): the
+    # entropy is then a metric only and its gradient, an extra pass over the logits, is skipped.
+    no_bonus = Steps(
+        model,
+        optimizer,
+        ctx,
+        mbs,
+        model_cfg=model_cfg,
+        loss_cfg=replace(full_loss_config(), entropy_coef=0.0),
+        total_loss_tokens=num_loss_tokens(samples),
+        max_len=shape.completion_len[1],
+    )
     steps.old_logprobs()
     add_reference_logprobs(mbs)
 
@@ -138,7 +153,12 @@ def worker(*, tp: int, pp: int, model_cfg, shape, repeats: int, warmup: int) -> 
         return run
 
     times = interleaved(
-        {"ce": synced(steps.ce), "grpo": synced(steps.grpo), "old": synced(steps.old_logprobs)},
+        {
+            "ce": synced(steps.ce),
+            "grpo": synced(steps.grpo),
+            "grpo_no_entropy_bonus": synced(no_bonus.grpo),
+            "old": synced(steps.old_logprobs),
+        },
         repeats=repeats,
         warmup=warmup,
     )
@@ -249,6 +269,13 @@ def main() -> None:
             )
             for clock in ("cpu", "wall")
         }
+        no_bonus = {
+            clock: Ratio.of(
+                f"{layout} grpo_step_without_entropy_bonus/ce_step [{clock}]",
+                ratios(times, ["grpo_no_entropy_bonus"], "ce", clock),
+            )
+            for clock in ("cpu", "wall")
+        }
         with_old = {
             clock: Ratio.of(
                 f"{layout} (grpo_step+old_logprob_pass)/ce_step [{clock}]",
@@ -258,6 +285,7 @@ def main() -> None:
         }
         for clock in ("cpu", "wall"):
             print(step[clock].line(TARGET))
+            print(no_bonus[clock].line(TARGET))
             print(with_old[clock].line())
         loss_fn = {
             name: Ratio.of(
@@ -282,6 +310,7 @@ def main() -> None:
         met &= step["cpu"].median <= TARGET
         results[str(layout)] = {
             "step_only": step,
+            "step_only_without_entropy_bonus": no_bonus,
             "with_old_logprob_pass": with_old,
             "loss_fn_vs_ce": loss_fn,
             "seconds": seconds(times),

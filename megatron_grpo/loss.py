@@ -88,6 +88,7 @@ def grpo_loss(
         tp_group=tp_group,
         vocab_size=vocab_size,
         with_entropy=True,
+        entropy_grad=bool(cfg.entropy_coef),
     )
     old_logp = batch.get("old_logprobs")
     if old_logp is None:  # on-policy single pass: the ratio is 1 with the right gradient
