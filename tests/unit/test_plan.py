@@ -46,3 +46,20 @@ def test_long_tailed_lengths_pack_with_little_padding():
     packed = plan(lengths, dp_size=4, max_tokens=8192, packed=True)
     assert packed.padding_fraction(lengths) < 0.05
     assert naive_padding_fraction(lengths, micro_batch_size=8) > 0.5
+
+
+def test_unpacked_split_weighs_padding_against_micro_batch_count():
+    # Greedy filling would make [10, 5] + [5, 5]: 5 padded positions. Splitting after the
+    # longest row pads nothing for the same number of micro-batches.
+    assert pack(range(4), [10, 5, 5, 5], max_tokens=20, packed=False) == [[[0]], [[1], [2], [3]]]
+    # Equal lengths: one micro-batch, not one per row.
+    assert pack(range(4), [4, 4, 4, 4], max_tokens=16, packed=False) == [[[0], [1], [2], [3]]]
+    # A little padding beats a micro-batch more (its cost is 1/16 of the budget: 4.4 tokens).
+    assert pack(range(3), [22, 21, 21], max_tokens=70, packed=False) == [[[0], [1], [2]]]
+
+
+def test_unpacked_long_tailed_lengths_pad_under_five_percent():
+    rng = random.Random(0)
+    lengths = [min(16384, int(rng.lognormvariate(7.0, 1.0)) + 200) for _ in range(1024)]
+    unpacked = plan(lengths, dp_size=8, max_tokens=16384, packed=False)
+    assert unpacked.padding_fraction(lengths) < 0.05
