@@ -41,7 +41,7 @@ pytestmark = pytest.mark.timeout(120)
 
 RECEIVER = textwrap.dedent(
     """
-    import datetime, json, sys
+    import datetime, json, os, sys
     import torch
     from torch.distributed import PrefixStore, rendezvous
     from torch.distributed.distributed_c10d import Backend, _new_process_group_helper
@@ -58,7 +58,10 @@ RECEIVER = textwrap.dedent(
         t = torch.empty(shape, dtype=getattr(torch, dtype))
         pg.broadcast(t, 0).wait()
         sums.append(float(t.double().sum()))
-    print(json.dumps(sums))
+    print(json.dumps(sums), flush=True)
+    # A server keeps its group for life; this stand-in leaves at once, without tearing gloo
+    # down at interpreter exit (which can abort while the sender still holds the store).
+    os._exit(0)
     """
 )
 
