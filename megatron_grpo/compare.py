@@ -34,6 +34,14 @@ from megatron_grpo.metrics import read_metrics
 FIGURES: dict[str, tuple[str, str]] = {
     "reward": ("reward_mean", "reward (mean over samples)"),
     "response_length": ("response_length_mean", "response length (tokens)"),
+    "response_length_negative_advantage": (
+        "response_length_neg_adv_mean",
+        "length of responses worse than their group (tokens)",
+    ),
+    "response_length_positive_advantage": (
+        "response_length_pos_adv_mean",
+        "length of responses better than their group (tokens)",
+    ),
     "truncated_fraction": ("truncated_fraction", "fraction of truncated responses"),
     "grad_norm": ("grad_norm", "global gradient norm"),
     "kl": ("kl", "KL to the reference model"),
@@ -41,6 +49,7 @@ FIGURES: dict[str, tuple[str, str]] = {
 """Figure file stem -> (metrics.jsonl key, axis label)."""
 
 REWARD, LENGTH, TRUNCATED = "reward_mean", "response_length_mean", "truncated_fraction"
+NEG_LENGTH = "response_length_neg_adv_mean"
 LINE_STYLES: tuple[Any, ...] = ("-", "--", "-.", ":", (0, (3, 1, 1, 1, 1, 1)))
 
 
@@ -229,6 +238,9 @@ class ModeSummary:
     length_growth: float
     """Mean over seeds of (mean length of the last k steps / of the first k)."""
     length_growth_std: float
+    neg_length_first: float
+    """As length_first, for the responses worse than their group (negative advantage)."""
+    neg_length_last: float
     truncated_last: float
     """Mean over seeds of the truncated fraction of the last k steps."""
     steps_to_threshold: int | None
@@ -249,6 +261,7 @@ def summarize(
     rewards = [[row[REWARD] for row in r.rows] for r in done]
     lengths = [[row[LENGTH] for row in r.rows] for r in done]
     truncated = [[row.get(TRUNCATED, math.nan) for row in r.rows] for r in done]
+    neg_lengths = [[row[NEG_LENGTH] for row in r.rows if NEG_LENGTH in row] for r in done]
     steps = [[row["step"] for row in r.rows] for r in done]
     reward_curve = aggregate({r.seed: r.rows for r in done}, REWARD)
     finals = [final_mean(x, k) for x in rewards]
@@ -263,6 +276,8 @@ def summarize(
         length_last=mean([final_mean(x, k) for x in lengths]),
         length_growth=mean(growths),
         length_growth_std=_std(growths),
+        neg_length_first=mean([mean(x[:k]) for x in neg_lengths]),
+        neg_length_last=mean([final_mean(x, k) for x in neg_lengths]),
         truncated_last=mean([final_mean(x, k) for x in truncated]),
         steps_to_threshold=None
         if reward_curve is None
@@ -291,6 +306,8 @@ CSV_COLUMNS = (
     "length_last",
     "length_growth",
     "length_growth_std",
+    "neg_adv_length_first",
+    "neg_adv_length_last",
     "truncated_last",
     "steps_to_threshold",
     "steps_to_threshold_per_seed",
@@ -313,6 +330,8 @@ def write_csv(rows: Sequence[ModeSummary], path: Path) -> None:
                     _num(s.length_last, 3),
                     _num(s.length_growth, 4),
                     _num(s.length_growth_std, 4),
+                    _num(s.neg_length_first, 3),
+                    _num(s.neg_length_last, 3),
                     _num(s.truncated_last, 4),
                     _step_text(s.steps_to_threshold),
                     ";".join(map(_step_text, s.steps_to_threshold_per_seed)),
@@ -333,8 +352,9 @@ def markdown_table(
 
     lines = [
         f"| mode | seeds | final reward (last {k}) | length first {k} -> last {k} "
-        f"| length growth | truncated (last {k}) | steps to reward >= {threshold:g} |",
-        "|---|---|---|---|---|---|---|",
+        f"| length growth | worse-than-group length first {k} -> last {k} "
+        f"| truncated (last {k}) | steps to reward >= {threshold:g} |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for s in rows:
         seeds = f"{s.num_seeds}" + (f" ({s.num_failed} failed)" if s.num_failed else "")
@@ -343,6 +363,7 @@ def markdown_table(
             f"| {s.mode} | {seeds} | {pm(s.final_reward, s.final_reward_std, 3, s.num_seeds)} "
             f"| {_num(s.length_first, 1)} -> {_num(s.length_last, 1)} "
             f"| {pm(s.length_growth, s.length_growth_std, 2, s.num_seeds)} "
+            f"| {_num(s.neg_length_first, 1)} -> {_num(s.neg_length_last, 1)} "
             f"| {_num(s.truncated_last, 3)} | {_step_text(s.steps_to_threshold)}"
             + (f" (per seed: {per_seed})" if s.num_seeds > 1 else "")
             + " |"

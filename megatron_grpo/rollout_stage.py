@@ -119,6 +119,26 @@ def _to_samples(
     return out
 
 
+def length_by_advantage(generations: list[list[Any]], advantages: torch.Tensor) -> dict[str, float]:
+    """Mean response length of the trained samples better and worse than their group.
+
+    The loss modes differ in how they weigh long responses with a negative advantage (the
+    length bias of seq-mean-token-mean), so their lengths are worth a curve of their own.
+    A side with no sample (all groups flat) is left out.
+    """
+    out: dict[str, float] = {}
+    for name, sign in (("pos", 1), ("neg", -1)):
+        picked = [
+            len(gen.output_ids)
+            for g, group in enumerate(generations)
+            for k, gen in enumerate(group)
+            if float(advantages[g, k]) * sign > 0
+        ]
+        if picked:
+            out[f"response_length_{name}_adv_mean"] = sum(picked) / len(picked)
+    return out
+
+
 def collect(
     step: int,
     *,
@@ -192,6 +212,7 @@ def collect(
         "response_length_mean": sum(lengths) / len(lengths),
         "response_length_max": float(max(lengths)),
         "truncated_fraction": truncated / len(lengths),
+        **length_by_advantage(kept_gens, advantages),
         "reward_errors": float(reward_errors),
         "groups_dropped": float(dropped),
         "groups_flat_kept": float(max(shortfall, 0)),

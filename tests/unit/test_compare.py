@@ -34,6 +34,8 @@ def rows_of(rewards, lengths, truncated=None):
             "step": i + 1,
             "reward_mean": r,
             "response_length_mean": n,
+            "response_length_pos_adv_mean": n - 1,
+            "response_length_neg_adv_mean": n + 1,
             "truncated_fraction": t,
             "grad_norm": 1.0 + i,
             "kl": 0.01 * i,
@@ -105,6 +107,8 @@ def test_summary_of_a_mode_over_seeds_with_a_failed_run(tmp_path):
     assert s.length_last == pytest.approx((25 + 20) / 2)
     assert s.length_growth == pytest.approx((2.5 + 1.0) / 2)
     assert s.length_growth_std == pytest.approx(0.75)
+    assert s.neg_length_first == pytest.approx((11 + 21) / 2)  # each length + 1 in rows_of
+    assert s.neg_length_last == pytest.approx((26 + 21) / 2)
     # seed-mean rewards 0.1, 0.3, 0.5, 0.7; 2-step means reach 0.5 at step 4 (0.6)
     assert s.steps_to_threshold == 4
     assert s.steps_to_threshold_per_seed == [4, 3]

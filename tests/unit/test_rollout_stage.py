@@ -148,3 +148,17 @@ def test_dump_and_replay_round_trip(tmp_path):
         assert a.advantage == b.advantage and a.group == b.group
     with pytest.raises(FileNotFoundError, match="no dump for step 4"):
         replay(tmp_path, 4)
+
+
+def test_length_by_advantage_splits_better_and_worse_than_the_group():
+    from types import SimpleNamespace
+
+    from megatron_grpo.rollout_stage import length_by_advantage
+
+    def gens(*lengths):
+        return [SimpleNamespace(output_ids=[0] * n) for n in lengths]
+
+    advantages = torch.tensor([[1.0, -0.5, -0.5], [0.0, 0.0, 0.0]])
+    stats = length_by_advantage([gens(2, 10, 20), gens(7, 7, 7)], advantages)
+    assert stats == {"response_length_pos_adv_mean": 2.0, "response_length_neg_adv_mean": 15.0}
+    assert length_by_advantage([gens(7, 7, 7)], torch.zeros(1, 3)) == {}  # flat: no side
