@@ -43,3 +43,41 @@ def random_hf_model(hf_config, seed: int = 0):
         for name, p in model.named_parameters():
             p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
     return model
+
+
+PLAIN_CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+
+
+def char_tokenizer(corpus: list[str]):
+    """A word-level tokenizer with one token per character of ``corpus`` (plus pad, unk and
+    eos), and a chat template that joins the messages' contents: lengths count characters."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    trainer = trainers.WordLevelTrainer(special_tokens=["<pad>", "<unk>", "<eos>"])
+    tok.train_from_iterator(corpus, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        unk_token="<unk>",
+        eos_token="<eos>",
+        chat_template=PLAIN_CHAT_TEMPLATE,
+    )
+
+
+def tiny_qwen2_for(tokenizer, seed: int):
+    """A freshly initialized tiny fp32 Qwen2 (the CPU examples' model) for ``tokenizer``."""
+    import transformers
+
+    config = tiny_hf_config(
+        "qwen2",
+        vocab_size=len(tokenizer),
+        rope_theta=10000.0,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+    )
+    torch.manual_seed(seed)
+    return transformers.Qwen2ForCausalLM(config).float()

@@ -17,16 +17,10 @@ import random
 from pathlib import Path
 
 import torch
-from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
-from transformers import (
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    PreTrainedTokenizerFast,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-)
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+from megatron_grpo.testing import char_tokenizer, tiny_qwen2_for
+
 MAX_OPERAND = 9
 
 
@@ -37,20 +31,6 @@ def problems(seed: int, n: int) -> list[tuple[str, str]]:
         a, b = rng.randint(0, MAX_OPERAND), rng.randint(0, MAX_OPERAND)
         out.append((f"{a}+{b}=", str(a + b)))
     return out
-
-
-def train_tokenizer(corpus: list[str]) -> PreTrainedTokenizerFast:
-    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    trainer = trainers.WordLevelTrainer(special_tokens=["<pad>", "<unk>", "<eos>"])
-    tok.train_from_iterator(corpus, trainer)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        pad_token="<pad>",
-        unk_token="<unk>",
-        eos_token="<eos>",
-        chat_template=CHAT_TEMPLATE,
-    )
 
 
 def warm_up(model, tokenizer, data: list[tuple[str, str]], steps: int, seed: int) -> None:
@@ -114,25 +94,9 @@ def main() -> None:
     with (out / "train.jsonl").open("w") as f:
         for prompt, label in train_rows:
             f.write(json.dumps({"prompt": prompt, "label": label}) + "\n")
-    tokenizer = train_tokenizer([p + a for p, a in train_rows])
+    tokenizer = char_tokenizer([p + a for p, a in train_rows])
 
-    torch.manual_seed(args.seed)
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None,
-    )
-    model = Qwen2ForCausalLM(config).float()
+    model = tiny_qwen2_for(tokenizer, args.seed)
     warm_up(model, tokenizer, train_rows, args.warmup_steps, args.seed)
     model.save_pretrained(out / "model")
     tokenizer.save_pretrained(out / "model")

@@ -33,18 +33,11 @@ import random
 from pathlib import Path
 
 import torch
-from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
-from transformers import (
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    PreTrainedTokenizerFast,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-)
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from megatron_grpo.rewards import math_reward
+from megatron_grpo.testing import char_tokenizer, tiny_qwen2_for
 
-CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 MAX_OPERAND = 9
 FILLER = "~"
 ANSWER_MARK = "="
@@ -66,21 +59,6 @@ def completion(total: int, rng: random.Random, args: argparse.Namespace) -> str:
     if args.layout == "answer-first":
         return f"{GUESS_MARK if answer != total else ''}{answer}{filler}"
     return f"{filler}{ANSWER_MARK}{answer}"
-
-
-def train_tokenizer(corpus: list[str]) -> PreTrainedTokenizerFast:
-    """One token per character: lengths are counted in characters."""
-    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    trainer = trainers.WordLevelTrainer(special_tokens=["<pad>", "<unk>", "<eos>"])
-    tok.train_from_iterator(corpus, trainer)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        pad_token="<pad>",
-        unk_token="<unk>",
-        eos_token="<eos>",
-        chat_template=CHAT_TEMPLATE,
-    )
 
 
 def warm_up(model, tokenizer, rows: list[tuple[str, str]], steps: int, seed: int) -> None:
@@ -176,25 +154,9 @@ def main() -> None:
             f.write(json.dumps({"prompt": prompt, "label": str(total)}) + "\n")
     rng = random.Random(args.seed)
     sft = [(p, completion(t, rng, args)) for p, t in train_rows]
-    tokenizer = train_tokenizer([p + c for p, c in sft])
+    tokenizer = char_tokenizer([p + c for p, c in sft])
 
-    torch.manual_seed(args.seed)
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None,
-    )
-    model = Qwen2ForCausalLM(config).float()
+    model = tiny_qwen2_for(tokenizer, args.seed)
     warm_up(model, tokenizer, sft, args.warmup_steps, args.seed)
     model.save_pretrained(out / "model")
     tokenizer.save_pretrained(out / "model")
