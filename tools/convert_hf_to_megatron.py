@@ -11,9 +11,7 @@ source's config and tokenizer files). See docs/conversion.md.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import warnings
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -43,11 +41,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed")
-    from megatron_grpo.convert.checkpoints import convert_hf_to_megatron
-    from megatron_grpo.launch import WorkerError
+    from megatron_grpo.convert.tool import run_conversion
 
-    try:
+    def convert() -> str:
+        from megatron_grpo.convert.checkpoints import convert_hf_to_megatron
+
         cfg = convert_hf_to_megatron(
             args.hf_dir,
             args.out,
@@ -58,18 +56,12 @@ def main(argv: list[str] | None = None) -> int:
             dtype=args.dtype,
             timeout=args.timeout,
         )
-    except (ValueError, FileNotFoundError) as err:
-        print(f"convert_hf_to_megatron: error: {err}", file=sys.stderr)
-        return 2
-    except WorkerError as err:
-        print(f"convert_hf_to_megatron: a conversion process failed: {err}", file=sys.stderr)
-        return 1
-    if os.environ.get("RANK", "0") == "0":  # once under torchrun
-        print(
+        return (
             f"wrote {args.out} (TP{args.tp} x PP{args.pp}, {cfg.num_layers} layers, "
             f"{cfg.params_dtype}) with model.yaml"
         )
-    return 0
+
+    return run_conversion("convert_hf_to_megatron", convert, worker="conversion")
 
 
 if __name__ == "__main__":  # the guard dist_checkpointing's spawned helpers need

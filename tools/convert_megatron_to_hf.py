@@ -11,9 +11,7 @@ copies the generation config and tokenizer files. See docs/conversion.md.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import warnings
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -50,11 +48,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed")
-    from megatron_grpo.convert.export import convert_megatron_to_hf
-    from megatron_grpo.launch import WorkerError
+    from megatron_grpo.convert.tool import run_conversion
 
-    try:
+    def convert() -> str:
+        from megatron_grpo.convert.export import convert_megatron_to_hf
+
         out = convert_megatron_to_hf(
             args.megatron_dir,
             args.out,
@@ -67,15 +65,9 @@ def main(argv: list[str] | None = None) -> int:
             num_procs=args.num_procs,
             timeout=args.timeout,
         )
-    except (ValueError, FileNotFoundError) as err:
-        print(f"convert_megatron_to_hf: error: {err}", file=sys.stderr)
-        return 2
-    except WorkerError as err:
-        print(f"convert_megatron_to_hf: a reader process failed: {err}", file=sys.stderr)
-        return 1
-    if os.environ.get("RANK", "0") == "0":  # once under torchrun
-        print(f"wrote {out}")
-    return 0
+        return f"wrote {out}"
+
+    return run_conversion("convert_megatron_to_hf", convert, worker="reader")
 
 
 if __name__ == "__main__":  # the guard dist_checkpointing's spawned helpers need
