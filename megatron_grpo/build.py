@@ -53,6 +53,15 @@ def tokenizer_path(cfg: Config) -> str:
     raise ValueError("set tokenizer: a Hugging Face tokenizer directory (train.init is not one)")
 
 
+def hf_model_path(cfg: Config) -> str | None:
+    """What ``{model}`` means in rollout.launch_command: the HF directory of train.init, else
+    the tokenizer's (servers launched from it should load weights as ``--load-format dummy``:
+    the trainer pushes the policy's before the first rollout)."""
+    if cfg.train.init is not None and init_kind(cfg.train.init) == "hf":
+        return cfg.train.init
+    return cfg.tokenizer
+
+
 def hf_model_from_state(named: dict[str, torch.Tensor], cfg: Config):
     """A transformers model holding ``named`` (the embedded engine's copy of the policy)."""
     import transformers

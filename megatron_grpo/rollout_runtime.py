@@ -35,6 +35,7 @@ class RolloutRuntime:
         hf_model=None,
         tokenizer=None,
         seed: int = 0,
+        weight_version: str = "0",
         model_path: str | None = None,
     ):
         """``model_path`` fills ``{model}`` in ``cfg.launch_command``."""
@@ -51,7 +52,7 @@ class RolloutRuntime:
             self.server = start_embedded_server(
                 hf_model,
                 tokenizer=tokenizer,
-                weight_version="0",
+                weight_version=weight_version,
                 seed=seed,
                 max_batch_size=max(cfg.prompts_per_step * cfg.samples_per_prompt, 1),
             )

@@ -33,7 +33,9 @@ class RolloutConfig:
     launch_command: str | None = None
     """Start the SGLang servers from this command template instead of attaching to ``urls``,
     e.g. ``python -m sglang.launch_server --model-path /ckpt --host {host} --port {port}``;
-    ``{port}`` is filled per server (also ``{host}``, ``{index}``, ``{model}``)."""
+    ``{port}`` is filled per server (also ``{host}``, ``{index}``, ``{model}``: train.init
+    when it is a HF directory, else the tokenizer's). Whatever the servers load, the trainer
+    sends them the policy's weights before the first rollout."""
     num_servers: int = 1
     """How many servers ``launch_command`` starts, each on a free port."""
     server_host: str = "127.0.0.1"

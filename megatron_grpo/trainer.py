@@ -40,7 +40,9 @@ def train(cfg: Config) -> None:
         start_step, extra = train_state.load(
             latest, model=model, optimizer=optimizer, scheduler=scheduler, ctx=ctx
         )
-    rollout = _RolloutSide(cfg, ctx, model, extra) if cfg.rollout.replay_dir is None else None
+    rollout = None
+    if cfg.rollout.replay_dir is None:
+        rollout = _RolloutSide(cfg, ctx, model, extra, start_step=start_step)
     settings = StepSettings(
         global_batch_size=cfg.train.global_batch_size
         or cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt,
@@ -108,7 +110,7 @@ def train(cfg: Config) -> None:
 class _RolloutSide:
     """Data, rewards and engines: real on global rank 0, weight gathers everywhere."""
 
-    def __init__(self, cfg: Config, ctx, model: list, extra: dict) -> None:
+    def __init__(self, cfg: Config, ctx, model: list, extra: dict, *, start_step: int) -> None:
         self.cfg, self.ctx = cfg, ctx
         named = weight_sync.hf_state(model, ctx, cfg.model, cfg.train.hf_family)  # collective
         if named is None:  # not the main rank
@@ -125,12 +127,19 @@ class _RolloutSide:
             self.sampler.load_state_dict(extra["sampler"])
         self.scorer = RewardScorer(cfg.reward)
         self.stop = build.stop_token_ids(self.tokenizer, cfg.rollout.stop_token_ids)
-        hf_model = (
-            build.hf_model_from_state(named, cfg) if cfg.rollout.engine == "embedded" else None
-        )
+        embedded = cfg.rollout.engine == "embedded"
         self.runtime = RolloutRuntime(
-            cfg.rollout, hf_model=hf_model, tokenizer=self.tokenizer, seed=cfg.seed
+            cfg.rollout,
+            hf_model=build.hf_model_from_state(named, cfg) if embedded else None,
+            tokenizer=self.tokenizer,
+            seed=cfg.seed,
+            weight_version=str(start_step),
+            model_path=build.hf_model_path(cfg),
         )
+        if not embedded:
+            # SGLang servers load their weights from disk, which need not be the policy's (a
+            # Megatron train.init, a resumed run): the first rollout uses the learner's.
+            self._push(named, start_step)
 
     def collect(self, step: int):
         if not self.ctx.is_main:
@@ -153,12 +162,15 @@ class _RolloutSide:
     def sync(self, model: list, step: int) -> None:
         named = weight_sync.hf_state(model, self.ctx, self.cfg.model, self.cfg.train.hf_family)
         if named is not None:
-            self.runtime.push_weights(
-                named,
-                weight_version=str(step),
-                model_cfg=self.cfg.model,
-                family=self.cfg.train.hf_family,
-            )
+            self._push(named, step)
+
+    def _push(self, named: dict, step: int) -> None:
+        self.runtime.push_weights(
+            named,
+            weight_version=str(step),
+            model_cfg=self.cfg.model,
+            family=self.cfg.train.hf_family,
+        )
 
     def state(self) -> dict:
         return {"sampler": self.sampler.state_dict()} if self.ctx.is_main else {}

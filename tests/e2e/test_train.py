@@ -257,3 +257,33 @@ def test_replayed_step_gives_the_same_parameters_at_two_layouts(tmp_path, assets
     update_scale = max(float(u.abs().max()) for u in ref.values())
     worst = max(float((after[k] - before[k] - ref[k]).abs().max()) for k in ref)
     assert worst / update_scale < 1e-4, worst / update_scale
+
+
+def test_attached_sglang_servers_get_the_learners_weights_before_the_first_rollout(
+    tmp_path, assets
+):
+    """A server attached with other weights than the policy's (a Megatron train.init, a
+    resumed run; here a random model) is sent the learner's weights before step 1, so the
+    rollout log-probs of step 1 are the learner's own."""
+    import transformers
+
+    from megatron_grpo.rollout.embedded_server import start_embedded_server
+
+    torch.manual_seed(123)
+    config = transformers.AutoConfig.from_pretrained(assets / "model")
+    other = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    server = start_embedded_server(
+        other, tokenizer=transformers.AutoTokenizer.from_pretrained(assets / "model")
+    )
+    try:
+        rows = train(
+            tmp_path,
+            assets,
+            "rollout.engine=sglang",
+            f"rollout.urls=[{server.url}]",
+            "rollout.sync_method=disk",
+            "train.total_steps=1",
+        )
+    finally:
+        server.stop()
+    assert rows[0]["logprob_mismatch"] < 1e-4, rows[0]
