@@ -165,13 +165,7 @@ def cmd_compare_modes(args: argparse.Namespace) -> int:
     return 1 if result.failed else 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="megatron-grpo", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("config", help="validate a config and print it resolved")
-    add_config_args(p)
-    p.set_defaults(func=cmd_config)
-
+def add_train_parser(sub) -> None:
     p = sub.add_parser(
         "train",
         help="run GRPO (under torchrun, or --nproc N to start the processes here)",
@@ -198,6 +192,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="memory of one GPU in GiB (with --dry-run; default 80)",
     )
     p.set_defaults(func=cmd_train)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="megatron-grpo", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("config", help="validate a config and print it resolved")
+    add_config_args(p)
+    p.set_defaults(func=cmd_config)
+
+    add_train_parser(sub)
 
     p = sub.add_parser("plot", help="draw reward and length curves of a run to PNG")
     p.add_argument("run_dir", help="a run's output_dir (holding metrics.jsonl)")

@@ -121,6 +121,18 @@ def _to_samples(
     return out
 
 
+def response_stats(rewards: list[float], lengths: list[int], truncated: int) -> dict[str, float]:
+    """Reward and length of every response sampled this step (dropped groups too)."""
+    r = torch.tensor(rewards)
+    return {
+        "reward_mean": float(r.mean()),
+        "reward_std": float(r.std()) if len(r) > 1 else 0.0,
+        "response_length_mean": sum(lengths) / len(lengths),
+        "response_length_max": float(max(lengths)),
+        "truncated_fraction": truncated / len(lengths),
+    }
+
+
 def length_by_advantage(generations: list[list[Any]], advantages: torch.Tensor) -> dict[str, float]:
     """Mean response length of the trained samples better and worse than their group.
 
@@ -207,13 +219,8 @@ def collect(
     advantages = group_advantages(rewards_GN, adv_cfg)
     samples = _to_samples(kept_gens, rewards_GN, advantages, cfg.mask_truncated)
     elapsed = time.perf_counter() - start
-    all_r = torch.tensor(all_rewards)
     stats = {
-        "reward_mean": float(all_r.mean()),
-        "reward_std": float(all_r.std()) if len(all_r) > 1 else 0.0,
-        "response_length_mean": sum(lengths) / len(lengths),
-        "response_length_max": float(max(lengths)),
-        "truncated_fraction": truncated / len(lengths),
+        **response_stats(all_rewards, lengths, truncated),
         **length_by_advantage(kept_gens, advantages),
         "reward_errors": float(reward_errors),
         "groups_dropped": float(dropped),

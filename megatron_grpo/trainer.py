@@ -43,17 +43,7 @@ def train(cfg: Config) -> None:
     rollout = None
     if cfg.rollout.replay_dir is None:
         rollout = _RolloutSide(cfg, ctx, model, extra, start_step=start_step)
-    settings = StepSettings(
-        global_batch_size=cfg.train.global_batch_size
-        or cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt,
-        num_iterations=cfg.train.num_iterations,
-        max_tokens_per_micro_batch=cfg.train.max_tokens_per_micro_batch,
-        pack=cfg.train.pack_sequences
-        if cfg.train.pack_sequences is not None
-        else not have_transformer_engine(),
-        vocab_size=cfg.model.vocab_size,
-        max_len=cfg.rollout.max_new_tokens,
-    )
+    settings = step_settings(cfg)
     logger = MetricsLogger(
         out,
         cfg.metrics,
@@ -105,6 +95,20 @@ def train(cfg: Config) -> None:
     logger.close()
     if rollout is not None:
         rollout.close()
+
+
+def step_settings(cfg: Config) -> StepSettings:
+    """Batch sizes and packing of the optimizer steps (packed unless Transformer Engine runs)."""
+    pack = cfg.train.pack_sequences
+    return StepSettings(
+        global_batch_size=cfg.train.global_batch_size
+        or cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt,
+        num_iterations=cfg.train.num_iterations,
+        max_tokens_per_micro_batch=cfg.train.max_tokens_per_micro_batch,
+        pack=pack if pack is not None else not have_transformer_engine(),
+        vocab_size=cfg.model.vocab_size,
+        max_len=cfg.rollout.max_new_tokens,
+    )
 
 
 class _RolloutSide:
