@@ -36,11 +36,11 @@ FIGURES: dict[str, tuple[str, str]] = {
     "response_length": ("response_length_mean", "response length (tokens)"),
     "response_length_negative_advantage": (
         "response_length_neg_adv_mean",
-        "length of responses worse than their group (tokens)",
+        "length, worse than group (tokens)",
     ),
     "response_length_positive_advantage": (
         "response_length_pos_adv_mean",
-        "length of responses better than their group (tokens)",
+        "length, better than group (tokens)",
     ),
     "truncated_fraction": ("truncated_fraction", "fraction of truncated responses"),
     "grad_norm": ("grad_norm", "global gradient norm"),
