@@ -51,6 +51,12 @@ def cmd_train(args: argparse.Namespace) -> int:
             print(f"megatron-grpo: error: {report.refusal()}", file=sys.stderr)
             return 2
         return 0
+    if cfg.parallel.cp > 1:  # refused here, not trained wrong: each CP rank would see it all
+        raise ValueError(
+            f"parallel.cp={cfg.parallel.cp}: the trainer does not split sequences over "
+            "context-parallel ranks yet; train with parallel.cp=1 (--dry-run does estimate "
+            "CP layouts)"
+        )
     if args.nproc and "WORLD_SIZE" not in os.environ:
         return _relaunch_under_torchrun(args.nproc, sys.argv[1:])
     from megatron_grpo.trainer import train

@@ -220,3 +220,8 @@ def test_cli_exit_codes_and_no_process_group(capsys):
 
     assert cli.main(["train", *tiny, "--world-size", "2"]) == 2
     assert "need --dry-run" in capsys.readouterr().err
+
+    assert cli.main(["train", *tiny, "--set=parallel.cp=2", "--dry-run", "--world-size", "2"]) == 0
+    assert "the trainer does not split them yet" in capsys.readouterr().out
+    assert cli.main(["train", *tiny, "--set=parallel.cp=2"]) == 2
+    assert "parallel.cp=2: the trainer does not split sequences" in capsys.readouterr().err
