@@ -45,8 +45,26 @@ def _all_reduce(x: Tensor, op: dist.ReduceOp.RedOpType, tp_group: dist.ProcessGr
         dist.all_reduce(x, op=op, group=tp_group)
 
 
+CPU_CHUNK_BYTES = 2 << 20
+"""On CPU the elementwise passes over the vocabulary run a few rows at a time, so that each
+row block stays in cache across them (about 2x faster than whole-tensor passes); on GPUs
+every row is one block."""
+
+
+def _row_blocks(x: Tensor) -> list[slice]:
+    """Row slices of the 2-D float32 ``x``, one block per pass-group (see CPU_CHUNK_BYTES)."""
+    rows, cols = x.shape
+    step = rows if x.device.type != "cpu" else CPU_CHUNK_BYTES // (4 * max(cols, 1))
+    step = max(step, 1)
+    return [slice(i, min(i + step, rows)) for i in range(0, rows, step)]
+
+
 class _LogprobEntropy(torch.autograd.Function):
-    """Log-probs and entropy (``entropy_mode``: "none", "value" or "grad") with their gradient."""
+    """Log-probs and entropy (``entropy_mode``: "none", "value" or "grad") with their gradient.
+
+    Works on [rows, V] views of one contiguous float32 buffer, z - max, which forward turns
+    into exp(z - max) unless the entropy has a gradient (backward then needs z - max).
+    """
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -64,27 +82,29 @@ class _LogprobEntropy(torch.autograd.Function):
             row_max = real.max(dim=-1).values.float()
         _all_reduce(row_max, dist.ReduceOp.MAX, tp_group)
 
-        # One float32 buffer (type promotion makes z - max float32 whatever the logits' dtype).
-        shifted = torch.sub(real, row_max.unsqueeze(-1))
-        local_ids = targets - start
+        buf = torch.empty((*logits.shape[:-1], valid), dtype=torch.float32, device=logits.device)
+        torch.sub(real, row_max.unsqueeze(-1), out=buf)
+        shifted = buf.view(-1, valid)
+        local_ids = (targets - start).reshape(-1)
         in_slice = (local_ids >= 0) & (local_ids < valid)
-        stats = torch.zeros((3, *logits.shape[:-1]), dtype=torch.float32, device=logits.device)
-        saved = shifted
+        stats = torch.zeros((3, shifted.shape[0]), dtype=torch.float32, device=logits.device)
         if valid:
             picked = shifted.gather(-1, local_ids.clamp(0, valid - 1).unsqueeze(-1)).squeeze(-1)
             stats[1] = torch.where(in_slice, picked, 0.0)
-            if entropy_mode == "none":
-                saved = exp = shifted.exp_()
-            else:
-                exp = shifted.exp()
-                stats[2] = torch.linalg.vecdot(exp, shifted)
+            for r in _row_blocks(shifted):
+                block = shifted[r]
+                if entropy_mode == "none":
+                    stats[0, r] = block.exp_().sum(dim=-1)
+                    continue
+                exp = block.exp()
+                stats[0, r] = exp.sum(dim=-1)
+                stats[2, r] = torch.linalg.vecdot(exp, block)
                 if entropy_mode == "value":  # no entropy gradient: backward needs only exp
-                    saved = exp
-            stats[0] = exp.sum(dim=-1)
-            del exp, shifted
+                    block.copy_(exp)
         # sum of exp, target logit and sum of exp * (z - max), in one all-reduce
         _all_reduce(stats, dist.ReduceOp.SUM, tp_group)
 
+        stats = stats.view(3, *logits.shape[:-1])
         log_z = stats[0].log()
         logp = stats[1] - log_z
         entropy = log_z - stats[2] / stats[0]
@@ -93,13 +113,12 @@ class _LogprobEntropy(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         ctx.start, ctx.local_vocab, ctx.dtype = start, logits.shape[-1], logits.dtype
         ctx.saved_log = entropy_mode == "grad"
-        ctx.save_for_backward(saved, targets, stats[0], entropy)
+        ctx.save_for_backward(buf, targets, stats[0], entropy)
         return logp, entropy
 
     @staticmethod
     def backward(ctx: Any, grad_logp: Tensor | None, grad_entropy: Tensor | None):  # type: ignore[override]
-        # The saved buffer is exp(z - max), or z - max when the entropy has a gradient; backward
-        # runs once, so that buffer becomes the gradient in place.
+        # backward runs once, so the saved buffer becomes the gradient in place
         saved, targets, sum_exp, entropy = ctx.saved_tensors
         valid = saved.shape[-1]
         if not valid or (grad_logp is None and grad_entropy is None):
@@ -108,24 +127,29 @@ class _LogprobEntropy(torch.autograd.Function):
             )
             return grad, None, None, None, None
         g_logp = grad_logp if grad_logp is not None else torch.zeros_like(sum_exp)
-        if not ctx.saved_log:  # -p g, with p = exp / sum_exp
-            local = saved.mul_((-g_logp / sum_exp).unsqueeze(-1))
+        local = saved.view(-1, valid)
+        g = g_logp.reshape(-1, 1)
+        if not ctx.saved_log:  # -p g, with p = exp / sum_exp: one pass
+            local.mul_(-g / sum_exp.reshape(-1, 1))
         else:
-            log_p = saved.sub_(sum_exp.log().unsqueeze(-1))
-            p = log_p.exp()
-            if grad_entropy is None:
-                local = p.mul_(-g_logp.unsqueeze(-1))
-            else:  # -p (g + g_H (log p + H))
-                coef = (g_logp + grad_entropy * entropy).unsqueeze(-1)
-                local = log_p.mul_(-grad_entropy.unsqueeze(-1)).sub_(coef).mul_(p)
-        local_ids = targets - ctx.start
+            log_z = sum_exp.log().reshape(-1, 1)
+            g_h = grad_entropy.reshape(-1, 1) if grad_entropy is not None else None
+            coef = g if g_h is None else g + g_h * entropy.reshape(-1, 1)
+            for r in _row_blocks(local):
+                log_p = local[r].sub_(log_z[r])
+                if g_h is None:  # -p g
+                    log_p.exp_().mul_(-g[r])
+                else:  # -p (g + g_H (log p + H))
+                    p = log_p.exp()
+                    log_p.mul_(-g_h[r]).sub_(coef[r]).mul_(p)
+        local_ids = (targets - ctx.start).reshape(-1)
         in_slice = (local_ids >= 0) & (local_ids < valid)
-        onehot = torch.where(in_slice, g_logp, 0.0).unsqueeze(-1).to(local.dtype)
+        onehot = torch.where(in_slice, g_logp.reshape(-1), 0.0).unsqueeze(-1).to(local.dtype)
         local.scatter_add_(-1, local_ids.clamp(0, valid - 1).unsqueeze(-1), onehot)
+        grad = saved
         if valid < ctx.local_vocab:  # padding columns: zero gradient
-            local = torch.nn.functional.pad(local, (0, ctx.local_vocab - valid))
-        grad = local.to(ctx.dtype)
-        return grad, None, None, None, None
+            grad = torch.nn.functional.pad(saved, (0, ctx.local_vocab - valid))
+        return grad.to(ctx.dtype), None, None, None, None
 
 
 def vocab_parallel_logprobs(

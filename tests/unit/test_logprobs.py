@@ -1,5 +1,7 @@
+import pytest
 import torch
 
+from megatron_grpo import logprobs
 from megatron_grpo.logprobs import vocab_parallel_logprobs
 
 
@@ -35,8 +37,11 @@ def _reference(logits, targets, vocab_size):
     return ref.gather(-1, targets[..., None]).squeeze(-1), -(ref.exp() * ref).sum(-1)
 
 
-def test_closed_form_backward_matches_autograd_for_any_upstream_gradients():
-    """The fused backward, for log-prob and entropy gradients together and one at a time."""
+@pytest.mark.parametrize("block_bytes", [2 << 20, 3 * 4 * 13])  # one block; 3 rows a block
+def test_closed_form_backward_matches_autograd_for_any_upstream_gradients(block_bytes, monkeypatch):
+    """The fused backward, for log-prob and entropy gradients together and one at a time,
+    with the vocabulary passes over all rows at once and a few rows at a time."""
+    monkeypatch.setattr(logprobs, "CPU_CHUNK_BYTES", block_bytes)
     g = torch.Generator().manual_seed(2)
     logits = torch.randn(2, 6, 13, generator=g, dtype=torch.float64) * 3
     targets = torch.randint(0, 10, (2, 6), generator=g)
@@ -67,7 +72,9 @@ def test_half_precision_logits_get_a_gradient_of_their_own_dtype():
     torch.testing.assert_close(logits.grad.float(), ref_in.grad, rtol=2e-2, atol=2e-2)
 
 
-def test_entropy_as_a_metric_only_carries_no_gradient():
+@pytest.mark.parametrize("block_bytes", [2 << 20, 2 * 4 * 9])
+def test_entropy_as_a_metric_only_carries_no_gradient(block_bytes, monkeypatch):
+    monkeypatch.setattr(logprobs, "CPU_CHUNK_BYTES", block_bytes)
     g = torch.Generator().manual_seed(4)
     logits = torch.randn(3, 7, 12, generator=g, requires_grad=True)
     targets = torch.randint(0, 9, (3, 7), generator=g)
