@@ -45,11 +45,17 @@ def load_initial_weights(model: list, cfg: Config, ctx: ParallelContext) -> None
         load_full_state(model, view, cfg.model, ctx)
 
 
-def tokenizer_path(cfg: Config) -> str:
-    if cfg.tokenizer is not None:
-        return cfg.tokenizer
+def _hf_init(cfg: Config) -> str | None:
+    """train.init when it is a Hugging Face directory."""
     if cfg.train.init is not None and init_kind(cfg.train.init) == "hf":
         return cfg.train.init
+    return None
+
+
+def tokenizer_path(cfg: Config) -> str:
+    path = cfg.tokenizer or _hf_init(cfg)
+    if path is not None:
+        return path
     raise ValueError("set tokenizer: a Hugging Face tokenizer directory (train.init is not one)")
 
 
@@ -57,9 +63,7 @@ def hf_model_path(cfg: Config) -> str | None:
     """What ``{model}`` means in rollout.launch_command: the HF directory of train.init, else
     the tokenizer's (servers launched from it should load weights as ``--load-format dummy``:
     the trainer pushes the policy's before the first rollout)."""
-    if cfg.train.init is not None and init_kind(cfg.train.init) == "hf":
-        return cfg.train.init
-    return cfg.tokenizer
+    return _hf_init(cfg) or cfg.tokenizer
 
 
 def hf_model_from_state(named: dict[str, torch.Tensor], cfg: Config):
