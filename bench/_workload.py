@@ -22,10 +22,10 @@ from typing import Any
 
 import torch
 
-from megatron_grpo.batch import Sample, collate
+from megatron_grpo.algo.batch import Sample, collate
 from megatron_grpo.config import LossConfig, ModelConfig
-from megatron_grpo.parallel import ParallelContext
-from megatron_grpo.plan import plan
+from megatron_grpo.mcore.parallel import ParallelContext
+from megatron_grpo.train.plan import plan
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -160,7 +160,7 @@ class Steps:
         total_loss_tokens: int,
         max_len: int,
     ) -> None:
-        from megatron_grpo.loss import grpo_loss
+        from megatron_grpo.algo.loss import grpo_loss
 
         self.model, self.optimizer, self.ctx, self.mbs = model, optimizer, ctx, mbs
         self.model_cfg, self.loss_cfg, self.max_len = model_cfg, loss_cfg, max_len
@@ -171,14 +171,14 @@ class Steps:
 
     def old_logprobs(self) -> None:
         """The forward-only pass that freezes the behaviour policy's log-probs."""
-        from megatron_grpo.loss import compute_logprobs
+        from megatron_grpo.algo.loss import compute_logprobs
 
         compute_logprobs(self.model, self.ctx, self.mbs, vocab_size=self.model_cfg.vocab_size)
 
     def grpo(self) -> dict[str, float]:
-        from megatron_grpo.loss import set_loss_weights
-        from megatron_grpo.schedule import run_schedule, zero_grads
-        from megatron_grpo.train_step import reduce_metrics
+        from megatron_grpo.algo.loss import set_loss_weights
+        from megatron_grpo.mcore.schedule import run_schedule, zero_grads
+        from megatron_grpo.train.step import reduce_metrics
 
         zero_grads(self.model)
         self.optimizer.zero_grad()
@@ -197,7 +197,7 @@ class Steps:
         return reduce_metrics(per_mb, self.ctx)
 
     def ce(self) -> None:
-        from megatron_grpo.schedule import run_schedule, zero_grads
+        from megatron_grpo.mcore.schedule import run_schedule, zero_grads
 
         zero_grads(self.model)
         self.optimizer.zero_grad()

@@ -140,11 +140,11 @@ def worker(*, tp: int, pp: int, model_cfg, shape, num_global_batches: int, mu: i
     import torch.distributed as dist
     from _workload import BatchShape, full_loss_config, make_samples
 
-    from megatron_grpo import train_step
-    from megatron_grpo.config import OptimConfig
-    from megatron_grpo.model import build_model
-    from megatron_grpo.optim import build_optimizer
-    from megatron_grpo.parallel import ParallelDims, init_parallel
+    from megatron_grpo.config import OptimConfig, ParallelDims
+    from megatron_grpo.mcore.model import build_model
+    from megatron_grpo.mcore.optim import build_optimizer
+    from megatron_grpo.mcore.parallel import init_parallel
+    from megatron_grpo.train import step as train_step
 
     ctx = init_parallel(ParallelDims(tp=tp, pp=pp))
     model = build_model(model_cfg, ctx)
@@ -224,8 +224,8 @@ def main() -> None:
 
     from _workload import BatchShape
 
+    from megatron_grpo.commands.invariance import Layout
     from megatron_grpo.config import ModelConfig
-    from megatron_grpo.invariance import Layout
     from megatron_grpo.launch import run_workers
 
     layout = Layout.parse(args.layout or ("2x1x1" if args.quick else "2x2x2"))

@@ -128,11 +128,11 @@ def part_mfu(args) -> dict[str, Any]:
         to_device,
     )
 
-    from megatron_grpo import device
-    from megatron_grpo.config import OptimConfig
-    from megatron_grpo.model import build_model, have_transformer_engine
-    from megatron_grpo.optim import build_optimizer
-    from megatron_grpo.parallel import ParallelDims, init_parallel
+    from megatron_grpo.config import OptimConfig, ParallelDims
+    from megatron_grpo.mcore import device
+    from megatron_grpo.mcore.model import build_model, have_transformer_engine
+    from megatron_grpo.mcore.optim import build_optimizer
+    from megatron_grpo.mcore.parallel import init_parallel
 
     cfg = mfu_model(args.tiny)
     shape = BatchShape(
@@ -231,7 +231,7 @@ def part_mfu(args) -> dict[str, Any]:
 def sglang_model(tiny: bool):
     """The served model's HF config, through the project's own ModelConfig -> HF mapping."""
     from megatron_grpo.config import ModelConfig
-    from megatron_grpo.hf_mapping import hf_config_from_model_config
+    from megatron_grpo.convert.hf_config import hf_config_from_model_config
 
     if tiny:
         cfg = ModelConfig(
@@ -325,11 +325,12 @@ def part_sglang(args) -> dict[str, Any]:
 
 def _learner(hf_dir: Path):
     """A megatron model (world size 1) holding the served checkpoint."""
-    from megatron_grpo.convert.checkpoints import resolve_hf_model
+    from megatron_grpo.commands.convert.hf_to_megatron import resolve_hf_model
+    from megatron_grpo.config import ParallelDims
     from megatron_grpo.convert.hf_files import HFCheckpoint, MegatronView
-    from megatron_grpo.full_state import load_full_state
-    from megatron_grpo.model import build_model
-    from megatron_grpo.parallel import ParallelDims, init_parallel
+    from megatron_grpo.mcore.full_state import load_full_state
+    from megatron_grpo.mcore.model import build_model
+    from megatron_grpo.mcore.parallel import init_parallel
 
     ctx = init_parallel(ParallelDims())
     cfg = resolve_hf_model(hf_dir)
@@ -383,7 +384,7 @@ async def _generate(urls, args) -> dict[str, Any]:
 
 
 async def _sync(urls, learner) -> dict[str, Any]:
-    from megatron_grpo import weight_sync
+    from megatron_grpo.rollout import weight_sync
     from megatron_grpo.rollout.types import RolloutRequest, SamplingParams
 
     model, ctx, cfg = learner

@@ -107,10 +107,10 @@ def worker(*, tp: int, pp: int, model_cfg, shape, repeats: int, warmup: int) -> 
         num_loss_tokens,
     )
 
-    from megatron_grpo.config import OptimConfig
-    from megatron_grpo.model import build_model
-    from megatron_grpo.optim import build_optimizer
-    from megatron_grpo.parallel import ParallelDims, init_parallel
+    from megatron_grpo.config import OptimConfig, ParallelDims
+    from megatron_grpo.mcore.model import build_model
+    from megatron_grpo.mcore.optim import build_optimizer
+    from megatron_grpo.mcore.parallel import init_parallel
 
     ctx = init_parallel(ParallelDims(tp=tp, pp=pp))
     model = build_model(model_cfg, ctx)
@@ -184,7 +184,7 @@ def _loss_breakdown(steps, ctx, *, repeats: int, warmup: int) -> dict:
     import torch
     from _workload import ce_loss
 
-    from megatron_grpo.logprobs import vocab_parallel_logprobs
+    from megatron_grpo.algo.logprobs import vocab_parallel_logprobs
 
     if not ctx.is_last_stage:  # no loss here: empty timings, counted as zero CPU
         return {}
@@ -235,7 +235,7 @@ def main() -> None:
     )
     args = p.parse_args()
 
-    from megatron_grpo.invariance import Layout
+    from megatron_grpo.commands.invariance import Layout
     from megatron_grpo.launch import run_workers
 
     layouts = [

@@ -48,7 +48,7 @@ def draw_lengths(dist: str, n: int, max_len: int, seed: int) -> list[int]:
 
 def fixed_dynamic_padding(lengths: list[int], dp: int, micro_batch_size: int) -> float:
     """Arrival order, contiguous shares per rank, fixed-size micro-batches padded to their max."""
-    from megatron_grpo.batch import split_evenly
+    from megatron_grpo.algo.batch import split_evenly
 
     real = padded = 0
     for share in split_evenly(lengths, dp):
@@ -90,7 +90,7 @@ def main() -> None:
     p.add_argument("--draws", type=int, help="random draws per distribution (default 10)")
     args = p.parse_args()
 
-    from megatron_grpo.plan import naive_padding_fraction, plan
+    from megatron_grpo.train.plan import naive_padding_fraction, plan
 
     samples = 64 if args.quick else args.samples
     draws = args.draws or (2 if args.quick else 10)

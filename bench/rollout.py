@@ -63,8 +63,8 @@ def main() -> None:
     from transformers import GenerationConfig
 
     from megatron_grpo.rollout.client import ClientConfig, SGLangClient
-    from megatron_grpo.rollout.decode import SequenceSpec, generate_batch
-    from megatron_grpo.rollout.embedded_server import start_embedded_server
+    from megatron_grpo.rollout.embedded.decode import SequenceSpec, generate_batch
+    from megatron_grpo.rollout.embedded.server import start_embedded_server
     from megatron_grpo.rollout.types import RolloutRequest, SamplingParams
 
     transformers.logging.set_verbosity_error()

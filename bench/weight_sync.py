@@ -6,7 +6,7 @@
 
 One push is what the trainer does after each step: every rank gathers the
 full tensors from its shards (``full_state.gather_full_state``), global rank
-0 maps them to Hugging Face names (``hf_mapping.megatron_to_hf``) and sends
+0 maps them to Hugging Face names (``convert.weights.megatron_to_hf``) and sends
 them with ``weight_sync.push(method="tensor")`` to the embedded server on the
 same machine: pause, flush, safetensors + base64 serialization, HTTP, decoding
 and copying into the server's model, continue. The baseline, timed in the
@@ -71,14 +71,16 @@ def worker(*, tp: int, pp: int, model_cfg, family: str, repeats: int, warmup: in
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    from megatron_grpo import weight_sync
-    from megatron_grpo.full_state import gather_full_state
-    from megatron_grpo.hf_mapping import hf_config_from_model_config, megatron_to_hf
-    from megatron_grpo.model import build_model
-    from megatron_grpo.parallel import ParallelDims, init_parallel
+    from megatron_grpo.config import ParallelDims
+    from megatron_grpo.convert.hf_config import hf_config_from_model_config
+    from megatron_grpo.convert.weights import megatron_to_hf
+    from megatron_grpo.mcore.full_state import gather_full_state
+    from megatron_grpo.mcore.model import build_model
+    from megatron_grpo.mcore.parallel import init_parallel
+    from megatron_grpo.rollout import weight_sync
     from megatron_grpo.rollout.client import ClientConfig, SGLangClient
-    from megatron_grpo.rollout.embedded_server import start_embedded_server
-    from megatron_grpo.rollout.weights import tensor_update_payload
+    from megatron_grpo.rollout.embedded.server import start_embedded_server
+    from megatron_grpo.rollout.embedded.weights import tensor_update_payload
 
     ctx = init_parallel(ParallelDims(tp=tp, pp=pp))
     model = build_model(model_cfg, ctx, wrap_ddp=False)
@@ -160,7 +162,7 @@ def main() -> None:
     )
     args = p.parse_args()
 
-    from megatron_grpo.invariance import Layout
+    from megatron_grpo.commands.invariance import Layout
     from megatron_grpo.launch import run_workers
 
     layout = Layout.parse(args.layout or ("1x1x1" if args.quick else "1x2x1"))

@@ -35,7 +35,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             "--world-size, --nnodes, --gpus-per-node and --gpu-memory-gb need --dry-run"
         )
     if args.dry_run:  # arithmetic only: no process, no process group, no GPU
-        from megatron_grpo.dry_run import dry_run, resolve_world_size
+        from megatron_grpo.commands.dry_run import dry_run, resolve_world_size
 
         world_size, gpus_per_node = resolve_world_size(
             args.world_size, args.nnodes, args.gpus_per_node
@@ -59,7 +59,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         )
     if args.nproc and "WORLD_SIZE" not in os.environ:
         return _relaunch_under_torchrun(args.nproc, sys.argv[1:])
-    from megatron_grpo.trainer import train
+    from megatron_grpo.train.loop import train
 
     train(cfg)
     return 0
@@ -104,8 +104,8 @@ DEFAULT_LAYOUTS = "1x1x1,2x1x1,1x2x1,1x1x2,2x2x1,2x1x2,1x2x2"
 
 
 def cmd_check_invariance(args: argparse.Namespace) -> int:
-    from megatron_grpo.invariance import Layout, check
-    from megatron_grpo.normalization import MODES, check_mode
+    from megatron_grpo.commands.invariance import Layout, check
+    from megatron_grpo.config import MODES, check_mode
 
     modes = list(MODES) if args.mode == "all" else [args.mode]
     for mode in modes:
@@ -147,8 +147,8 @@ def cmd_check_invariance(args: argparse.Namespace) -> int:
 
 
 def cmd_compare_modes(args: argparse.Namespace) -> int:
-    from megatron_grpo.compare import compare_modes
-    from megatron_grpo.normalization import MODES, check_mode
+    from megatron_grpo.commands.compare import compare_modes
+    from megatron_grpo.config import MODES, check_mode
 
     modes = list(MODES) if args.modes == "all" else [m for m in args.modes.split(",") if m]
     for mode in modes:

@@ -16,60 +16,18 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
+from megatron_grpo.config import DataConfig
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
-
-SUFFIXES = (".jsonl", ".parquet")
-
-
-@dataclass(kw_only=True)
-class DataConfig:
-    """Where the prompts come from and how they become token ids."""
-
-    path: str | list[str] = field(default_factory=list)
-    """A .jsonl or .parquet file, or a list of them (read in order)."""
-    prompt_key: str = "prompt"
-    """Column holding the prompt: a string, or a list of {role, content} messages."""
-    label_key: str = "label"
-    """Column holding the reference answer handed to the reward function."""
-    require_label: bool = True
-    """Skip (and report) rows without a label; False gives such rows label None."""
-    apply_chat_template: bool = True
-    """Render prompts with the tokenizer's chat template (a string becomes one user message)."""
-    system_prompt: str | None = None
-    """System message put before string prompts and message lists that have none."""
-    max_prompt_length: int | None = None
-    """Longest prompt kept, in tokens after templating; None keeps every prompt."""
-    shuffle: bool = True
-    """Shuffle each epoch (the order depends only on seed and epoch)."""
-    seed: int = 1234
-    """Seed of the per-epoch shuffle."""
-
-    def __post_init__(self) -> None:
-        for p in self.paths:
-            if not p.endswith(SUFFIXES):
-                raise ValueError(f"data.path {p!r} must end in .jsonl or .parquet")
-        if not self.prompt_key:
-            raise ValueError("data.prompt_key must not be empty")
-        if self.max_prompt_length is not None and self.max_prompt_length < 1:
-            raise ValueError(f"data.max_prompt_length must be >= 1, got {self.max_prompt_length}")
-        if self.seed < 0:
-            raise ValueError(f"data.seed must be >= 0, got {self.seed}")
-        if self.system_prompt is not None and not self.apply_chat_template:
-            # Without a template there is nowhere to put a system message.
-            raise ValueError("data.system_prompt needs data.apply_chat_template=true")
-
-    @property
-    def paths(self) -> list[str]:
-        return [self.path] if isinstance(self.path, str) else list(self.path)
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from megatron_grpo.config import MetricsConfig
 
 STDOUT_KEYS = (
     "reward_mean",
@@ -23,18 +24,6 @@ STDOUT_KEYS = (
     "logprob_mismatch",
     "tokens_per_s",
 )
-
-
-@dataclass(kw_only=True)
-class MetricsConfig:
-    """Where metrics go besides ``<output_dir>/metrics.jsonl``."""
-
-    tensorboard: bool = True
-    """Write TensorBoard event files under ``<output_dir>/tensorboard``."""
-    wandb_project: str | None = None
-    """Log to this Weights & Biases project (needs ``wandb`` installed and logged in)."""
-    wandb_run_name: str | None = None
-    """Run name in wandb; defaults to the output directory's name."""
 
 
 class MetricsLogger:

@@ -41,10 +41,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from megatron_grpo.convert.tool import run_conversion
+    from megatron_grpo.commands.convert.tool import run_conversion
 
     def convert() -> str:
-        from megatron_grpo.convert.checkpoints import convert_hf_to_megatron
+        from megatron_grpo.commands.convert.hf_to_megatron import convert_hf_to_megatron
 
         cfg = convert_hf_to_megatron(
             args.hf_dir,

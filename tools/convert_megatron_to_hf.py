@@ -48,10 +48,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from megatron_grpo.convert.tool import run_conversion
+    from megatron_grpo.commands.convert.tool import run_conversion
 
     def convert() -> str:
-        from megatron_grpo.convert.export import convert_megatron_to_hf
+        from megatron_grpo.commands.convert.megatron_to_hf import convert_megatron_to_hf
 
         out = convert_megatron_to_hf(
             args.megatron_dir,

@@ -20,5 +20,5 @@ MODEL_ARGS=(
   --set model.qk_layernorm=false
   --set model.tie_embeddings=false
   --set model.params_dtype=bfloat16
-  --set train.hf_family=qwen2
+  --set model.hf_family=qwen2
 )

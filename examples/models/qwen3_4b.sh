@@ -19,5 +19,5 @@ MODEL_ARGS=(
   --set model.qk_layernorm=true
   --set model.tie_embeddings=true
   --set model.params_dtype=bfloat16
-  --set train.hf_family=qwen3
+  --set model.hf_family=qwen3
 )

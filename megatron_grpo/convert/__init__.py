@@ -1,14 +1,14 @@
-"""Hugging Face <-> megatron-core weight conversion, split by job.
+"""Hugging Face <-> megatron-core weight mapping: pure functions on full (TP=1) tensors.
 
 - ``hf_config``: which HF families are supported, and ModelConfig <-> HF config.
-- ``layout``: pure tensor re-layouts (fused QKV, fused gate/up, vocab padding).
-- ``weights``: parameter names and layer-by-layer conversion of full (TP=1) tensors.
+- ``layout``: tensor re-layouts (fused QKV, fused gate/up, vocab padding).
+- ``weights``: parameter names and layer-by-layer conversion of full tensors.
 - ``sharding``: TP shards of full tensors and the PP layer split.
-- ``checkpoints``: HF checkpoint -> megatron distributed checkpoint (and shared helpers).
-- ``export``: megatron distributed checkpoint -> HF checkpoint.
 - ``hf_files``: streaming reads and writes of HF safetensors checkpoints.
 
-Moving full tensors into and out of a live model is ``megatron_grpo.full_state``.
-
-``megatron_grpo.hf_mapping`` re-exports the public functions; import from there.
+Everything here works on dicts of tensors, one decoder layer at a time when a
+caller streams a checkpoint, and never touches a live model: moving full
+tensors into and out of one is ``megatron_grpo.mcore.full_state``; the
+conversion commands are ``megatron_grpo.commands.convert``. Weight sync and
+the conversion commands share this mapping.
 """

@@ -1,6 +1,6 @@
 """Supported Hugging Face families and ``ModelConfig`` <-> HF config translation.
 
-Only what the megatron model built by ``megatron_grpo.model`` can reproduce
+Only what the megatron model built by ``megatron_grpo.mcore.model`` can reproduce
 exactly is accepted: RMSNorm, SwiGLU, plain RoPE or Llama 3.1's ``llama3``
 RoPE scaling, GQA, bias on Q/K/V only (Qwen2), q/k RMSNorm (Qwen3). Anything
 else (another architecture, another RoPE scaling, an output-projection bias,

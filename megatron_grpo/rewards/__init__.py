@@ -5,7 +5,7 @@ A reward function is ``fn(response_text, label, item_metadata) -> float``.
 one from the config and scores a batch, handling failures per sample.
 """
 
-from megatron_grpo.rewards.config import RewardConfig, RewardType
+from megatron_grpo.config import RewardConfig, RewardType
 from megatron_grpo.rewards.custom import load_function
 from megatron_grpo.rewards.math_answer import (
     answers_match,

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_grpo.rewards.config import RewardConfig
+from megatron_grpo.config import RewardConfig
 from megatron_grpo.rewards.custom import load_function
 from megatron_grpo.rewards.math_answer import math_reward
 from megatron_grpo.rewards.remote import RemoteReward

@@ -33,7 +33,7 @@ from megatron_grpo.rollout.errors import (
     ServerUnavailableError,
 )
 from megatron_grpo.rollout.protocol import build_generate_payload, parse_generate_response
-from megatron_grpo.rollout.types import RolloutRequest, Sample
+from megatron_grpo.rollout.types import Generation, RolloutRequest
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +133,7 @@ class SGLangClient:
 
     # ---- generation ----
 
-    async def generate(self, request: RolloutRequest) -> list[Sample]:
+    async def generate(self, request: RolloutRequest) -> list[Generation]:
         """All samples of ``request``, prompt-major (prompt 0's samples first).
 
         Raises RolloutBatchError when any sample fails; its ``completed`` holds
@@ -146,10 +146,10 @@ class SGLangClient:
             *(self._generate_sample(request, p, s, batch_id) for p, s in keys),
             return_exceptions=True,
         )
-        completed: list[Sample] = []
+        completed: list[Generation] = []
         failures: list[SampleFailure] = []
         for (p, s), outcome in zip(keys, outcomes):
-            if isinstance(outcome, Sample):
+            if isinstance(outcome, Generation):
                 completed.append(outcome)
             elif isinstance(outcome, RolloutError):
                 failures.append(SampleFailure(p, s, outcome))
@@ -161,7 +161,7 @@ class SGLangClient:
 
     async def _generate_sample(
         self, request: RolloutRequest, prompt_index: int, sample_index: int, batch_id: str
-    ) -> Sample:
+    ) -> Generation:
         prompt = request.prompts[prompt_index]
         seed = request.sample_seed(prompt_index, sample_index)
         last_error: RolloutError | None = None
@@ -189,7 +189,7 @@ class SGLangClient:
                 logger.warning("attempt %d/%d failed: %s", attempt + 1, attempts, last_error)
                 continue
             result = parse_generate_response(answer)
-            return Sample(
+            return Generation(
                 prompt_index=prompt_index,
                 sample_index=sample_index,
                 prompt_ids=tuple(prompt),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_grpo.rollout.types import Sample
+from megatron_grpo.rollout.types import Generation
 
 
 class RolloutError(RuntimeError):
@@ -51,7 +51,7 @@ class SampleFailure:
 class RolloutBatchError(RolloutError):
     """Some samples of a batch failed; the ones that finished are kept on the error."""
 
-    def __init__(self, completed: list[Sample], failures: list[SampleFailure]) -> None:
+    def __init__(self, completed: list[Generation], failures: list[SampleFailure]) -> None:
         self.completed = completed
         self.failures = failures
         first = failures[0]

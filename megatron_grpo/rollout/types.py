@@ -91,7 +91,7 @@ class FinishReason:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Sample:
+class Generation:
     """One completion of one prompt."""
 
     prompt_index: int

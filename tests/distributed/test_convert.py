@@ -105,7 +105,7 @@ def run_tool(name: str, *args: str, timeout: float = 240) -> subprocess.Complete
 
 def full_logits(model: list, ctx, tokens: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
     """Logits gathered over TP on the last pipeline stage; None elsewhere."""
-    from megatron_grpo.schedule import run_schedule
+    from megatron_grpo.mcore.schedule import run_schedule
 
     out: list[torch.Tensor] = []
 
@@ -124,8 +124,8 @@ def full_logits(model: list, ctx, tokens: torch.Tensor, vocab_size: int) -> torc
 
 def checkpoint_logits(ctx, cfg, megatron_dir: str, tokens: torch.Tensor):
     """Logits of a fresh model (NaN-filled, so anything not loaded shows) loaded from disk."""
-    from megatron_grpo import checkpoint
-    from megatron_grpo.model import build_model
+    from megatron_grpo.mcore import checkpoint
+    from megatron_grpo.mcore.model import build_model
 
     model = build_model(cfg, ctx)
     for chunk in model:
@@ -137,15 +137,16 @@ def checkpoint_logits(ctx, cfg, megatron_dir: str, tokens: torch.Tensor):
 
 def convert_load_export(cases: dict[str, dict], cli: dict) -> dict:
     """TP2 x PP2 worker: each case HF -> megatron -> (logits, HF); the CLI checkpoint's logits."""
-    from megatron_grpo.convert.checkpoints import (
+    from megatron_grpo.commands.convert.hf_to_megatron import (
         check_hf_weights,
         convert_hf_on_ranks,
         load_model_config,
         resolve_hf_model,
     )
-    from megatron_grpo.convert.export import export_on_ranks, infer_family
+    from megatron_grpo.commands.convert.megatron_to_hf import export_on_ranks, infer_family
+    from megatron_grpo.config import ParallelDims
     from megatron_grpo.convert.hf_files import HFCheckpoint, write_hf_config
-    from megatron_grpo.parallel import ParallelDims, init_parallel
+    from megatron_grpo.mcore.parallel import init_parallel
 
     ctx = init_parallel(ParallelDims(tp=2, pp=2))
     logits = {}
@@ -193,8 +194,8 @@ def sources(tmp_path_factory) -> dict[str, dict]:
 def cli_round_trip(sources, tmp_path_factory) -> dict[str, Path]:
     """bf16 llama through both command lines: TP1 x PP2 with a model config, to sharded HF."""
     root = tmp_path_factory.mktemp("cli")
+    from megatron_grpo.commands.convert.hf_to_megatron import resolve_hf_model
     from megatron_grpo.config import dump_config
-    from megatron_grpo.convert.checkpoints import resolve_hf_model
 
     source = sources["llama-bf16"]["dir"]
     cfg = resolve_hf_model(source)
@@ -306,7 +307,7 @@ def test_exported_directory_serves_from_the_embedded_rollout_server(sources, lau
     import asyncio
 
     from megatron_grpo.rollout.client import ClientConfig, SGLangClient
-    from megatron_grpo.rollout.embedded_server import start_embedded_server
+    from megatron_grpo.rollout.embedded.server import start_embedded_server
     from megatron_grpo.rollout.types import RolloutRequest, SamplingParams
 
     export_dir = launched["cases"]["qwen2"]["export_dir"]
@@ -356,8 +357,8 @@ def test_command_lines_round_trip_bf16(sources, cli_round_trip, launched):
 
 
 def test_config_mismatch_is_refused_by_name(sources, tmp_path):
+    from megatron_grpo.commands.convert.hf_to_megatron import resolve_hf_model
     from megatron_grpo.config import dump_config
-    from megatron_grpo.convert.checkpoints import resolve_hf_model
 
     cfg = resolve_hf_model(sources["qwen2"]["dir"])
     cfg.num_query_groups = 4
@@ -398,7 +399,7 @@ def test_export_family_mismatch_is_refused_by_name(cli_round_trip, tmp_path):
 
 
 def test_hf_reader_reads_one_layer_at_a_time(sources):
-    from megatron_grpo.convert.checkpoints import resolve_hf_model
+    from megatron_grpo.commands.convert.hf_to_megatron import resolve_hf_model
     from megatron_grpo.convert.hf_files import HFCheckpoint, MegatronView
 
     ckpt = HFCheckpoint(sources["qwen2"]["dir"])

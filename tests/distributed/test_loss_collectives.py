@@ -34,8 +34,8 @@ def test_exactly_one_all_reduce_on_the_dp_group(dp2_tp2_pp2):
 
 def test_weights_agree_with_the_single_process_computation(dp2_tp2_pp2):
     """Global weights seen from each DP rank equal those computed on the whole batch."""
-    from megatron_grpo.invariance import GROUP_SIZES, MAX_COMPLETION, fixed_batch
-    from megatron_grpo.normalization import global_counts, sequence_weights
+    from megatron_grpo.algo.normalization import global_counts, sequence_weights
+    from megatron_grpo.commands.invariance import GROUP_SIZES, MAX_COMPLETION, fixed_batch
 
     samples, _ = fixed_batch(vocab_size=100)
     n = torch.tensor([float(s.num_loss_tokens) for s in samples])

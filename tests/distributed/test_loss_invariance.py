@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_grpo.invariance import Layout, check
-from megatron_grpo.normalization import MODES
+from megatron_grpo.commands.invariance import Layout, check
+from megatron_grpo.config import MODES
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from megatron_grpo import checkpoint
-from megatron_grpo.config import ModelConfig, OptimConfig
-from megatron_grpo.logprobs import vocab_parallel_logprobs
-from megatron_grpo.model import build_model
-from megatron_grpo.optim import build_optimizer
-from megatron_grpo.parallel import ParallelContext, ParallelDims, init_parallel
-from megatron_grpo.schedule import run_schedule, zero_grads
+from megatron_grpo.algo.logprobs import vocab_parallel_logprobs
+from megatron_grpo.config import ModelConfig, OptimConfig, ParallelDims
+from megatron_grpo.mcore import checkpoint
+from megatron_grpo.mcore.model import build_model
+from megatron_grpo.mcore.optim import build_optimizer
+from megatron_grpo.mcore.parallel import ParallelContext, init_parallel
+from megatron_grpo.mcore.schedule import run_schedule, zero_grads
 
 MODEL = ModelConfig(
     num_layers=4,

@@ -10,8 +10,8 @@ import torch.distributed as dist
 
 def planted_bug_layout(*, bug: str, **kwargs):
     """run_layout with a normalization bug that peers shipped, to show the check catches it."""
-    import megatron_grpo.loss as loss
-    from megatron_grpo.invariance import run_layout
+    import megatron_grpo.algo.loss as loss
+    from megatron_grpo.commands.invariance import run_layout
 
     if bug == "local-denominator":  # verl#5625, open-instruct#1161, prime-rl#583
         original = loss.global_counts
@@ -33,7 +33,7 @@ def planted_bug_layout(*, bug: str, **kwargs):
         loss.scaled_loss = lambda *a: original_scaled(*a) / num_mb["n"]
     else:
         raise ValueError(bug)
-    import megatron_grpo.invariance as inv
+    import megatron_grpo.commands.invariance as inv
 
     inv.set_loss_weights = loss.set_loss_weights  # type: ignore[attr-defined]
     return run_layout(**kwargs)
@@ -41,11 +41,17 @@ def planted_bug_layout(*, bug: str, **kwargs):
 
 def denominator_collectives(tp: int, pp: int) -> dict:
     """Count the collectives spent on the denominator path, and check TP log-probs."""
-    from megatron_grpo.batch import micro_batches_for_rank
-    from megatron_grpo.invariance import GROUP_SIZES, MAX_COMPLETION, default_loss, fixed_batch
-    from megatron_grpo.logprobs import vocab_parallel_logprobs
-    from megatron_grpo.loss import set_loss_weights
-    from megatron_grpo.parallel import ParallelDims, init_parallel
+    from megatron_grpo.algo.batch import micro_batches_for_rank
+    from megatron_grpo.algo.logprobs import vocab_parallel_logprobs
+    from megatron_grpo.algo.loss import set_loss_weights
+    from megatron_grpo.commands.invariance import (
+        GROUP_SIZES,
+        MAX_COMPLETION,
+        default_loss,
+        fixed_batch,
+    )
+    from megatron_grpo.config import ParallelDims
+    from megatron_grpo.mcore.parallel import init_parallel
 
     ctx = init_parallel(ParallelDims(tp=tp, pp=pp))
     samples, _ = fixed_batch(vocab_size=100)
@@ -133,8 +139,9 @@ def toy_constant_loss(num_sequences_per_rank: int) -> dict:
     however many ranks share it. Returns the loss and d loss / d theta summed
     over ranks (what DDP's sum all-reduce gives).
     """
-    from megatron_grpo.loss import scaled_loss
-    from megatron_grpo.normalization import MODES, global_counts, sequence_weights
+    from megatron_grpo.algo.loss import scaled_loss
+    from megatron_grpo.algo.normalization import global_counts, sequence_weights
+    from megatron_grpo.config import MODES
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()

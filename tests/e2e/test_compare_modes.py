@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_grpo.compare import FIGURES
+from megatron_grpo.commands.compare import FIGURES
 from megatron_grpo.metrics import read_metrics
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]

@@ -181,11 +181,11 @@ def test_bad_dataset_rows_are_reported_and_skipped(tmp_path, assets):
 
 def full_params(ckpt: str, config: str) -> dict:
     """Worker: one process loads a checkpoint and returns its layout-free parameters."""
-    from megatron_grpo import checkpoint
-    from megatron_grpo.config import load_config
-    from megatron_grpo.full_state import gather_full_state
-    from megatron_grpo.model import build_model
-    from megatron_grpo.parallel import ParallelDims, init_parallel
+    from megatron_grpo.config import ParallelDims, load_config
+    from megatron_grpo.mcore import checkpoint
+    from megatron_grpo.mcore.full_state import gather_full_state
+    from megatron_grpo.mcore.model import build_model
+    from megatron_grpo.mcore.parallel import init_parallel
 
     cfg = load_config(config)
     ctx = init_parallel(ParallelDims())
@@ -198,7 +198,7 @@ def reference_update(init: str, dump: str, lr: float) -> dict:
     """Worker: one plain-PyTorch SGD step of the token-mean GRPO loss on a transformers model."""
     from transformers import AutoModelForCausalLM
 
-    from megatron_grpo.rollout_stage import replay
+    from megatron_grpo.rollout.stage import replay
 
     hf = AutoModelForCausalLM.from_pretrained(init).float()
     hf.model.embed_tokens.padding_idx = None  # the learner's embedding has no frozen pad row
@@ -244,7 +244,7 @@ def test_replayed_step_gives_the_same_parameters_at_two_layouts(tmp_path, assets
 
     # ... and the update equals a plain transformers implementation of the loss.
     from megatron_grpo.config import load_config
-    from megatron_grpo.hf_mapping import megatron_to_hf
+    from megatron_grpo.convert.weights import megatron_to_hf
 
     ref = run_workers(
         f"{HERE}:reference_update",
@@ -267,7 +267,7 @@ def test_attached_sglang_servers_get_the_learners_weights_before_the_first_rollo
     rollout log-probs of step 1 are the learner's own."""
     import transformers
 
-    from megatron_grpo.rollout.embedded_server import start_embedded_server
+    from megatron_grpo.rollout.embedded.server import start_embedded_server
 
     torch.manual_seed(123)
     config = transformers.AutoConfig.from_pretrained(assets / "model")

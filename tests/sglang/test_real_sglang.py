@@ -36,7 +36,6 @@ import pytest
 import torch
 
 from megatron_grpo.launch import free_port, run_workers
-from megatron_grpo.rollout import contract
 from megatron_grpo.rollout.client import ClientConfig, SGLangClient
 from megatron_grpo.rollout.protocol import build_generate_payload, parse_generate_response
 from megatron_grpo.rollout.servers import (
@@ -46,6 +45,7 @@ from megatron_grpo.rollout.servers import (
     stop_process_group,
 )
 from megatron_grpo.rollout.types import RolloutRequest, SamplingParams
+from megatron_grpo.testing import sglang_contract as contract
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
@@ -225,7 +225,7 @@ def post(url: str, body: dict) -> object:
 
 def assert_matches_learner(rows: list[dict], phase: str, weight_version: str | None) -> float:
     """Server greedy tokens = learner argmax; server logprobs = learner logprobs. Max |diff|."""
-    from megatron_grpo.policy_loss import mismatch
+    from megatron_grpo.algo.policy_loss import mismatch
 
     worst, total, tokens = 0.0, 0.0, 0
     for row in rows:

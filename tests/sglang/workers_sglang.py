@@ -29,8 +29,8 @@ METHODS = ("disk", "tensor", "distributed")
 
 def _learner_forward(model: list, ctx, tokens: list[int], vocab_size: int) -> dict[str, Any]:
     """Per-position logprob of the next token and argmax, from one forward pass."""
-    from megatron_grpo.logprobs import vocab_parallel_logprobs
-    from megatron_grpo.schedule import run_schedule
+    from megatron_grpo.algo.logprobs import vocab_parallel_logprobs
+    from megatron_grpo.mcore.schedule import run_schedule
 
     ids = torch.tensor([tokens])
     targets = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1)
@@ -87,7 +87,7 @@ def _perturb(model: list, ctx, cfg, seed: int) -> None:
     Made on rank 0 and loaded by every rank, so that tensors replicated over
     TP (norms, row-parallel biases) stay equal on all ranks.
     """
-    from megatron_grpo.full_state import gather_full_state, load_full_state
+    from megatron_grpo.mcore.full_state import gather_full_state, load_full_state
 
     full = gather_full_state(model, ctx, vocab_size=cfg.vocab_size)
     if full is not None:
@@ -102,14 +102,14 @@ def _perturb(model: list, ctx, cfg, seed: int) -> None:
 def learner_scenario(
     hf_dir: str, url: str, prompts: list[list[int]], max_new_tokens: int, work_dir: str
 ) -> dict[str, Any] | None:
-    from megatron_grpo import weight_sync
-    from megatron_grpo.convert.checkpoints import resolve_hf_model
+    from megatron_grpo.commands.convert.hf_to_megatron import resolve_hf_model
+    from megatron_grpo.config import ParallelDims, RolloutConfig
     from megatron_grpo.convert.hf_files import HFCheckpoint, MegatronView
-    from megatron_grpo.full_state import load_full_state
-    from megatron_grpo.model import build_model
-    from megatron_grpo.parallel import ParallelDims, init_parallel
-    from megatron_grpo.rollout_runtime import RolloutRuntime
-    from megatron_grpo.rollout_stage import RolloutConfig
+    from megatron_grpo.mcore.full_state import load_full_state
+    from megatron_grpo.mcore.model import build_model
+    from megatron_grpo.mcore.parallel import init_parallel
+    from megatron_grpo.rollout import weight_sync
+    from megatron_grpo.rollout.runtime import RolloutRuntime
 
     ctx = init_parallel(ParallelDims(tp=2))
     cfg = resolve_hf_model(hf_dir)

@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from megatron_grpo.advantages import AdvantageConfig, fill_batch, group_advantages, has_spread
+from megatron_grpo.algo.advantages import fill_batch, group_advantages, has_spread
+from megatron_grpo.config import AdvantageConfig
 
 
 def test_mean_baseline_with_and_without_std_scaling():

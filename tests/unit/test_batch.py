@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from megatron_grpo.batch import Sample, collate, micro_batches_for_rank, split_evenly
+from megatron_grpo.algo.batch import Sample, collate, micro_batches_for_rank, split_evenly
 
 
 def sample(i, tokens, mask, adv=1.0, group=0):

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from megatron_grpo import compare
 from megatron_grpo.cli import main
-from megatron_grpo.compare import (
+from megatron_grpo.commands import compare
+from megatron_grpo.commands.compare import (
     FIGURES,
     RunResult,
     aggregate,

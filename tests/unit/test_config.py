@@ -1,7 +1,6 @@
 import pytest
 
-from megatron_grpo.config import Config, dump_config, load_config
-from megatron_grpo.parallel import ParallelDims
+from megatron_grpo.config import Config, ParallelDims, dump_config, load_config
 
 
 def write(tmp_path, text):

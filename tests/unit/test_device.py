@@ -10,7 +10,7 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the layer is 
 
 PROBE = r"""
 import torch
-from megatron_grpo import device
+from megatron_grpo.mcore import device
 device.install()
 device.install()  # idempotent
 x = torch.zeros(3, device="cuda")
@@ -46,7 +46,7 @@ def test_device_layer_routes_cuda_to_cpu():
 
 
 def test_backend_choice():
-    from megatron_grpo import device
+    from megatron_grpo.mcore import device
 
     assert device.distributed_backend() == "gloo"
     assert device.compute_device() == torch.device("cpu")

@@ -7,8 +7,7 @@ import pytest
 import torch.distributed as dist
 
 from megatron_grpo import cli
-from megatron_grpo.config import load_config
-from megatron_grpo.dry_run import (
+from megatron_grpo.commands.dry_run import (
     GIB,
     activation_bytes_per_token_layer,
     dry_run,
@@ -18,7 +17,7 @@ from megatron_grpo.dry_run import (
     stage_params,
     total_params,
 )
-from megatron_grpo.parallel import ParallelDims
+from megatron_grpo.config import ParallelDims, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -15,23 +15,26 @@ import torch
 import transformers
 
 from megatron_grpo.config import ModelConfig
-from megatron_grpo.hf_mapping import (
+from megatron_grpo.convert.hf_config import (
     check_hf_config,
-    chunk_layer_range,
-    fuse_qkv,
-    global_layer_index,
     hf_config_from_model_config,
+    model_config_from_hf,
+)
+from megatron_grpo.convert.layout import fuse_qkv, split_qkv
+from megatron_grpo.convert.sharding import (
+    chunk_layer_range,
+    global_layer_index,
+    layer_location,
+    shard_for_rank,
+    unshard,
+)
+from megatron_grpo.convert.weights import (
     hf_keys_by_layer,
     hf_layer_keys,
     hf_layer_to_megatron,
     hf_to_megatron,
-    layer_location,
     megatron_layer_to_hf,
     megatron_to_hf,
-    model_config_from_hf,
-    shard_for_rank,
-    split_qkv,
-    unshard,
 )
 from megatron_grpo.launch import run_workers
 from megatron_grpo.testing import random_hf_model, tiny_hf_config
@@ -296,9 +299,10 @@ def megatron_logits_worker(hf_config, hf_state_dict: dict, input_ids: torch.Tens
     """Logits of a megatron model loaded from HF weights (rank 0 returns the full vocab)."""
     import torch.distributed as dist
 
-    from megatron_grpo.hf_mapping import load_full_state
-    from megatron_grpo.model import build_model
-    from megatron_grpo.parallel import ParallelDims, init_parallel
+    from megatron_grpo.config import ParallelDims
+    from megatron_grpo.mcore.full_state import load_full_state
+    from megatron_grpo.mcore.model import build_model
+    from megatron_grpo.mcore.parallel import init_parallel
 
     ctx = init_parallel(ParallelDims(tp=tp))
     cfg = model_config_from_hf(hf_config)
@@ -352,14 +356,12 @@ def load_and_gather_worker(hf_config, hf_state_dict: dict, tp: int, pp: int, vpp
     Loads twice: with the vocab padded to ``padded_vocab_size(1)`` and with
     exactly ``vocab_size`` rows, as the gather returns them.
     """
-    from megatron_grpo.hf_mapping import (
-        canonical_megatron_name,
-        gather_full_state,
-        load_full_state,
-        resize_vocab,
-    )
-    from megatron_grpo.model import build_model
-    from megatron_grpo.parallel import ParallelDims, init_parallel
+    from megatron_grpo.config import ParallelDims
+    from megatron_grpo.convert.layout import resize_vocab
+    from megatron_grpo.convert.weights import canonical_megatron_name
+    from megatron_grpo.mcore.full_state import gather_full_state, load_full_state
+    from megatron_grpo.mcore.model import build_model
+    from megatron_grpo.mcore.parallel import init_parallel
 
     ctx = init_parallel(ParallelDims(tp=tp, pp=pp, vpp=vpp))
     cfg = model_config_from_hf(hf_config)

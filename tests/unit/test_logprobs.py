@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from megatron_grpo import logprobs
-from megatron_grpo.logprobs import vocab_parallel_logprobs
+from megatron_grpo.algo import logprobs
+from megatron_grpo.algo.logprobs import vocab_parallel_logprobs
 
 
 def test_single_rank_matches_log_softmax_and_entropy():

@@ -2,8 +2,9 @@ import json
 
 import pytest
 
-from megatron_grpo.metrics import MetricsConfig, MetricsLogger, format_line, plot_run, read_metrics
-from megatron_grpo.weight_sync import buckets
+from megatron_grpo.config import MetricsConfig
+from megatron_grpo.metrics import MetricsLogger, format_line, plot_run, read_metrics
+from megatron_grpo.rollout.weight_sync import buckets
 
 
 def test_jsonl_tensorboard_and_plots(tmp_path, capsys):

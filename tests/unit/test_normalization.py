@@ -3,13 +3,13 @@
 import pytest
 import torch
 
-from megatron_grpo.normalization import (
-    MODES,
+from megatron_grpo.algo.normalization import (
     GlobalCounts,
     global_counts,
     local_counts,
     sequence_weights,
 )
+from megatron_grpo.config import MODES
 
 # Three sequences: n = (2, 4, 6) loss tokens; groups (0, 0, 1).
 N_I = torch.tensor([2.0, 4.0, 6.0])

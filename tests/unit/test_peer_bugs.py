@@ -14,15 +14,15 @@ tests/distributed/test_loss_collectives.py.
 import pytest
 import torch
 
-from megatron_grpo.batch import Sample, collate
-from megatron_grpo.loss import scaled_loss
-from megatron_grpo.normalization import (
-    MODES,
+from megatron_grpo.algo.batch import Sample, collate
+from megatron_grpo.algo.loss import scaled_loss
+from megatron_grpo.algo.normalization import (
     GlobalCounts,
     global_counts,
     local_counts,
     sequence_weights,
 )
+from megatron_grpo.config import MODES
 
 
 def weights_of(mode, n, groups, num_groups, max_len=16):

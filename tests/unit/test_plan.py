@@ -2,7 +2,7 @@ import random
 
 import pytest
 
-from megatron_grpo.plan import balance, naive_padding_fraction, pack, plan
+from megatron_grpo.train.plan import balance, naive_padding_fraction, pack, plan
 
 
 def test_balance_spreads_tokens():

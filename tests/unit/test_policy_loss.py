@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from megatron_grpo.policy_loss import (
+from megatron_grpo.algo.policy_loss import (
     gspo_log_ratio,
     importance_weights,
     kl_penalty,

@@ -78,7 +78,7 @@ def test_model_file_holds_only_model_args(name):
     assert all(re.fullmatch(r"  --set (model|train)\.\w+=\S+", line) for line in body[1:-1])
     overrides = [line.split()[1] for line in body[1:-1]]
     cfg = load_config(None, overrides)
-    assert cfg.train.hf_family == MODELS[name]
+    assert cfg.model.hf_family == MODELS[name]
     check_family(cfg.model, get_family(MODELS[name]))
     assert cfg.model.params_dtype == "bfloat16"
     assert any(line.startswith("# Qwen") or line.startswith("# Llama") for line in lines)

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 import pytest
 from aiohttp import web
 
-from megatron_grpo.rollout import contract
 from megatron_grpo.rollout.client import ClientConfig, SGLangClient, backoff_delay_s
 from megatron_grpo.rollout.errors import (
     RolloutBatchError,
@@ -22,6 +21,7 @@ from megatron_grpo.rollout.errors import (
     ServerUnavailableError,
 )
 from megatron_grpo.rollout.types import RolloutRequest, SamplingParams
+from megatron_grpo.testing import sglang_contract as contract
 
 pytestmark = pytest.mark.timeout(60)
 

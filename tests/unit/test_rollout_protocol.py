@@ -8,7 +8,7 @@ import importlib.metadata
 
 import pytest
 
-from megatron_grpo.rollout import contract
+from megatron_grpo.rollout.embedded.protocol import BadRequest, generate_answer, parse_generate_body
 from megatron_grpo.rollout.errors import RolloutProtocolError
 from megatron_grpo.rollout.protocol import (
     build_generate_payload,
@@ -16,8 +16,8 @@ from megatron_grpo.rollout.protocol import (
     finish_reason_to_json,
     parse_generate_response,
 )
-from megatron_grpo.rollout.server_protocol import BadRequest, generate_answer, parse_generate_body
 from megatron_grpo.rollout.types import FinishReason, RolloutRequest, SamplingParams
+from megatron_grpo.testing import sglang_contract as contract
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -5,7 +5,11 @@ import math
 import pytest
 import torch
 
-from megatron_grpo.rollout.sampling import sample_next_tokens, sampling_probs, token_logprobs
+from megatron_grpo.rollout.embedded.sampling import (
+    sample_next_tokens,
+    sampling_probs,
+    token_logprobs,
+)
 
 pytestmark = pytest.mark.timeout(60)
 

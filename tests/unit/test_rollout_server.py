@@ -15,12 +15,12 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from megatron_grpo.rollout import contract
 from megatron_grpo.rollout.client import ClientConfig, SGLangClient
-from megatron_grpo.rollout.embedded_server import start_embedded_server
+from megatron_grpo.rollout.embedded.server import start_embedded_server
+from megatron_grpo.rollout.embedded.weights import tensor_update_payload
 from megatron_grpo.rollout.errors import RolloutBatchError, RolloutHTTPError
 from megatron_grpo.rollout.types import FinishReason, RolloutRequest, SamplingParams
-from megatron_grpo.rollout.weights import tensor_update_payload
+from megatron_grpo.testing import sglang_contract as contract
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_grpo.config import RolloutConfig
 from megatron_grpo.launch import free_port
 from megatron_grpo.rollout.servers import (
     LaunchConfig,
@@ -31,7 +32,6 @@ from megatron_grpo.rollout.servers import (
     router_workers,
     server_argv,
 )
-from megatron_grpo.rollout_stage import RolloutConfig
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -323,7 +323,7 @@ def test_an_unreachable_router_fails_after_the_timeout():
 
 
 def test_runtime_launches_from_the_config_and_stops_on_close(tmp_path, fake_router):
-    from megatron_grpo.rollout_runtime import RolloutRuntime
+    from megatron_grpo.rollout.runtime import RolloutRuntime
 
     fake_router.start()
     cfg = RolloutConfig(

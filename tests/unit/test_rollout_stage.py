@@ -5,8 +5,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from megatron_grpo.advantages import AdvantageConfig
-from megatron_grpo.rollout_stage import RolloutConfig, collect, dump, replay
+from megatron_grpo.config import AdvantageConfig, RolloutConfig
+from megatron_grpo.rollout.stage import collect, dump, replay
 
 
 @dataclass
@@ -153,7 +153,7 @@ def test_dump_and_replay_round_trip(tmp_path):
 def test_length_by_advantage_splits_better_and_worse_than_the_group():
     from types import SimpleNamespace
 
-    from megatron_grpo.rollout_stage import length_by_advantage
+    from megatron_grpo.rollout.stage import length_by_advantage
 
     def gens(*lengths):
         return [SimpleNamespace(output_ids=[0] * n) for n in lengths]

@@ -27,8 +27,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_grpo import weight_sync
 from megatron_grpo.launch import free_port
+from megatron_grpo.rollout import weight_sync
 from megatron_grpo.rollout.sglang_weights import (
     dtype_name,
     open_update_group,

@@ -2,7 +2,7 @@
 
 import pytest
 
-from megatron_grpo.train_state import latest_checkpoint
+from megatron_grpo.train.state import latest_checkpoint
 
 
 def make(root, name, complete=True):

@@ -1,0 +1,129 @@
+"""The run's configuration: typed sections, loaded from YAML with dotted overrides.
+
+``load_config(path, overrides)`` reads a YAML file, applies ``key=value``
+overrides (``optim.lr=1e-6``) and builds ``Config``; every section is a
+keyword-only dataclass with a docstring per field, checked when built:
+- ``model``, ``parallel``: config/model.py
+- ``optim``, ``loss``, ``train``: config/learner.py
+- ``rollout``, ``data``, ``reward``, ``advantages``: config/rollout.py
+- ``metrics`` and the run as a whole: here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from megatron_grpo.config.learner import (
+    MODES,
+    LossConfig,
+    Mode,
+    OptimConfig,
+    TrainConfig,
+    check_mode,
+)
+from megatron_grpo.config.loader import apply_override, dump_config, from_dict, read_yaml, to_dict
+from megatron_grpo.config.model import ModelConfig, ParallelDims
+from megatron_grpo.config.rollout import (
+    AdvantageConfig,
+    DataConfig,
+    RewardConfig,
+    RewardType,
+    RolloutConfig,
+)
+
+__all__ = [
+    "MODES",
+    "AdvantageConfig",
+    "Config",
+    "DataConfig",
+    "LossConfig",
+    "MetricsConfig",
+    "Mode",
+    "ModelConfig",
+    "OptimConfig",
+    "ParallelDims",
+    "RewardConfig",
+    "RewardType",
+    "RolloutConfig",
+    "TrainConfig",
+    "apply_override",
+    "check_mode",
+    "dump_config",
+    "from_dict",
+    "load_config",
+    "to_dict",
+]
+
+
+@dataclass(kw_only=True)
+class MetricsConfig:
+    """Where metrics go besides ``<output_dir>/metrics.jsonl``."""
+
+    tensorboard: bool = True
+    """Write TensorBoard event files under ``<output_dir>/tensorboard``."""
+    wandb_project: str | None = None
+    """Log to this Weights & Biases project (needs ``wandb`` installed and logged in)."""
+    wandb_run_name: str | None = None
+    """Run name in wandb; defaults to the output directory's name."""
+
+
+@dataclass(kw_only=True)
+class Config:
+    """The whole run."""
+
+    seed: int = 1234
+    """Seed for model initialization and sampling."""
+    output_dir: str = "runs/default"
+    """Where checkpoints, metrics and the resolved config go."""
+    tokenizer: str | None = None
+    """Hugging Face tokenizer directory; None uses train.init when it is a HF directory."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelDims = field(default_factory=ParallelDims)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    advantages: AdvantageConfig = field(default_factory=AdvantageConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+    def __post_init__(self) -> None:
+        rollout_batch = self.rollout.prompts_per_step * self.rollout.samples_per_prompt
+        gbs = self.train.global_batch_size or rollout_batch
+        if rollout_batch % gbs:
+            raise ValueError(
+                f"train.global_batch_size={gbs} does not divide the rollout batch "
+                f"rollout.prompts_per_step x rollout.samples_per_prompt = {rollout_batch}"
+            )
+        if gbs % self.rollout.samples_per_prompt:
+            raise ValueError(
+                f"train.global_batch_size={gbs} is not a multiple of "
+                f"rollout.samples_per_prompt={self.rollout.samples_per_prompt}: "
+                "a prompt group must not be split across optimizer steps"
+            )
+        longest = (self.data.max_prompt_length or 0) + self.rollout.max_new_tokens
+        if (
+            self.data.max_prompt_length is not None
+            and longest > self.train.max_tokens_per_micro_batch
+        ):
+            raise ValueError(
+                f"train.max_tokens_per_micro_batch={self.train.max_tokens_per_micro_batch} is "
+                "below the longest sample, data.max_prompt_length + rollout.max_new_tokens = "
+                f"{longest}"
+            )
+        if longest > self.model.max_position_embeddings:
+            raise ValueError(
+                f"model.max_position_embeddings={self.model.max_position_embeddings} is below "
+                f"data.max_prompt_length + rollout.max_new_tokens = {longest}"
+            )
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Config from a YAML file (or the defaults) and dotted ``key=value`` overrides."""
+    raw: dict[str, Any] = read_yaml(path) if path is not None else {}
+    for item in overrides or []:
+        apply_override(raw, item)
+    return from_dict(Config, raw)

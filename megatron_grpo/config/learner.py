@@ -1,0 +1,146 @@
+"""The learner's sections: optimizer, loss, and the training loop."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+Mode = Literal[
+    "token-mean",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+    "group-token-mean",
+    "group-seq-mean",
+]
+"""Loss aggregation modes (docs/loss_normalization.md)."""
+MODES: tuple[str, ...] = get_args(Mode)
+
+
+def check_mode(mode: str) -> None:
+    if mode not in MODES:
+        raise ValueError(
+            f"unknown loss aggregation mode {mode!r}; expected one of {', '.join(MODES)}"
+        )
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    """megatron-core optimizer and learning-rate schedule."""
+
+    optimizer: Literal["adam", "sgd"] = "adam"
+    """Optimizer; plain SGD is there for invariance checks."""
+    lr: float = 1e-6
+    """Peak learning rate."""
+    min_lr: float = 0.0
+    """Learning rate at the end of the decay."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay."""
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    """Global gradient-norm clip; 0 disables clipping."""
+    lr_warmup_steps: int = 0
+    """Linear warm-up steps."""
+    lr_decay_steps: int | None = None
+    """Steps over which the rate decays after warm-up; None means constant."""
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
+    """Shape of the decay."""
+
+    def __post_init__(self) -> None:
+        if self.lr < 0 or self.min_lr < 0:
+            raise ValueError(
+                f"optim.lr and optim.min_lr must be >= 0, got {self.lr}, {self.min_lr}"
+            )
+        if self.min_lr > self.lr:
+            raise ValueError(f"optim.min_lr={self.min_lr} is above optim.lr={self.lr}")
+        if self.clip_grad < 0:
+            raise ValueError(f"optim.clip_grad must be >= 0, got {self.clip_grad}")
+        if self.lr_warmup_steps < 0:
+            raise ValueError(f"optim.lr_warmup_steps must be >= 0, got {self.lr_warmup_steps}")
+        if self.lr_decay_style != "constant" and not self.lr_decay_steps:
+            raise ValueError(
+                f"optim.lr_decay_style={self.lr_decay_style!r} needs optim.lr_decay_steps"
+            )
+
+
+@dataclass(kw_only=True)
+class LossConfig:
+    """The GRPO objective: aggregation mode, clipping, KL, entropy, importance sampling."""
+
+    mode: Mode = "token-mean"
+    """How per-token losses are aggregated (docs/loss_normalization.md)."""
+    max_len: int | None = None
+    """L for seq-mean-token-sum-norm (Dr. GRPO); None means the max completion length."""
+    eps_clip_low: float = 0.2
+    """Lower PPO clip: ratios below 1 - eps_clip_low are clipped."""
+    eps_clip_high: float = 0.2
+    """Upper PPO clip (clip-higher, e.g. 0.28 in DAPO)."""
+    dual_clip: float | None = None
+    """Dual-clip constant c > 1 bounding the loss of negative advantages; None disables."""
+    ratio_level: Literal["token", "sequence"] = "token"
+    """Importance ratio per token (PPO/GRPO) or per sequence (GSPO)."""
+    kl_coef: float = 0.0
+    """Coefficient of the KL penalty to the reference model; 0 disables it."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator (k3 is the low-variance one)."""
+    entropy_coef: float = 0.0
+    """Coefficient of the entropy bonus (subtracted from the loss)."""
+    tis_level: Literal["token", "sequence"] | None = None
+    """Truncated importance sampling against the rollout engine's log-probs; None disables."""
+    tis_mode: Literal["truncate", "mask"] = "truncate"
+    """Cap weights at tis_upper, or zero tokens whose weight is outside [tis_lower, tis_upper]."""
+    tis_upper: float = 2.0
+    """Upper bound of the importance weight."""
+    tis_lower: float | None = None
+    """Lower bound for tis_mode=mask."""
+
+    def __post_init__(self) -> None:
+        check_mode(self.mode)
+        if self.eps_clip_low < 0 or self.eps_clip_high < 0 or self.eps_clip_low >= 1:
+            raise ValueError(
+                f"loss.eps_clip_low must be in [0, 1) and loss.eps_clip_high >= 0, "
+                f"got {self.eps_clip_low}, {self.eps_clip_high}"
+            )
+        if self.dual_clip is not None and self.dual_clip <= 1:
+            raise ValueError(f"loss.dual_clip must be > 1, got {self.dual_clip}")
+        if self.max_len is not None and self.max_len <= 0:
+            raise ValueError(f"loss.max_len must be positive, got {self.max_len}")
+        if self.tis_upper <= 0 or (
+            self.tis_lower is not None and not 0 <= self.tis_lower < self.tis_upper
+        ):
+            raise ValueError(
+                f"loss.tis_lower/tis_upper must satisfy 0 <= lower < upper, "
+                f"got {self.tis_lower}, {self.tis_upper}"
+            )
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """The RL loop: steps, batch sizes, micro-batching, checkpoints."""
+
+    total_steps: int = 10
+    """RL steps (rollout + optimizer steps + weight sync) to run in total."""
+    global_batch_size: int | None = None
+    """Samples per optimizer step; None means the whole rollout batch (one step)."""
+    num_iterations: int = 1
+    """mu: optimizer passes over each rollout batch (old log-probs computed once)."""
+    max_tokens_per_micro_batch: int = 4096
+    """Token budget of one micro-batch on one rank, padding included."""
+    pack_sequences: bool | None = None
+    """Pack samples end to end in micro-batches; None packs unless Transformer Engine is used."""
+    init: str | None = None
+    """Initial weights: a Hugging Face directory or a megatron checkpoint; None is random."""
+    save_interval: int = 0
+    """Save a checkpoint every this many steps (and at the end); 0 saves only at the end."""
+    keep_last: int = 2
+    """Checkpoints kept on disk."""
+
+    def __post_init__(self) -> None:
+        for name in ("total_steps", "num_iterations", "max_tokens_per_micro_batch", "keep_last"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        if self.global_batch_size is not None and self.global_batch_size < 1:
+            raise ValueError(f"train.global_batch_size must be >= 1, got {self.global_batch_size}")
+        if self.save_interval < 0:
+            raise ValueError(f"train.save_interval must be >= 0, got {self.save_interval}")

@@ -1,0 +1,130 @@
+"""The learner's model (a Llama / Qwen-style decoder) and its parallel layout."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """A Llama / Qwen2 / Qwen3-style decoder (RMSNorm, SwiGLU, RoPE, GQA)."""
+
+    num_layers: int = 2
+    """Number of transformer layers."""
+    hidden_size: int = 64
+    """Model width."""
+    ffn_hidden_size: int = 128
+    """Width of the SwiGLU MLP (per branch)."""
+    num_attention_heads: int = 4
+    """Query heads."""
+    num_query_groups: int | None = None
+    """Key/value heads (GQA); None means one per query head."""
+    head_dim: int | None = None
+    """Channels per head; None means hidden_size / num_attention_heads."""
+    vocab_size: int = 256
+    """Tokenizer vocabulary size (before padding for TP)."""
+    make_vocab_size_divisible_by: int = 128
+    """The embedding is padded to a multiple of this times TP."""
+    max_position_embeddings: int = 512
+    """Longest sequence the model is built for."""
+    rotary_base: float = 10000.0
+    """RoPE base (theta)."""
+    rope_scaling_factor: float | None = None
+    """Llama 3.1-style RoPE scaling factor (HF ``rope_type: llama3``); None disables it.
+    megatron-core fixes the other llama3 parameters: low/high frequency factors 1 and 4,
+    original context 8192."""
+    norm_epsilon: float = 1e-6
+    """RMSNorm epsilon."""
+    add_qkv_bias: bool = False
+    """QKV projection bias (Qwen2)."""
+    qk_layernorm: bool = False
+    """RMSNorm on queries and keys (Qwen3)."""
+    tie_embeddings: bool = False
+    """Share the input embedding and the output layer."""
+    init_method_std: float = 0.02
+    """Standard deviation of the weight initialization."""
+    params_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Parameter and activation dtype."""
+    hf_family: Literal["llama", "qwen2", "qwen3"] = "qwen2"
+    """Hugging Face architecture the weights map to (weight sync, export)."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"model.{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError(
+                f"model.num_attention_heads={self.num_attention_heads} is not divisible by "
+                f"model.num_query_groups={self.num_query_groups}"
+            )
+        if self.rope_scaling_factor is not None and self.rope_scaling_factor <= 0:
+            raise ValueError(
+                f"model.rope_scaling_factor must be > 0, got {self.rope_scaling_factor}"
+            )
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"model.hidden_size={self.hidden_size} is not divisible by "
+                f"model.num_attention_heads={self.num_attention_heads}; set model.head_dim"
+            )
+
+    def padded_vocab_size(self, tp: int) -> int:
+        multiple = self.make_vocab_size_divisible_by * tp
+        return -(-self.vocab_size // multiple) * multiple
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelDims:
+    """Model-parallel sizes; the data-parallel size follows from the world size."""
+
+    tp: int = 1
+    """Tensor-parallel size."""
+    pp: int = 1
+    """Pipeline-parallel size."""
+    cp: int = 1
+    """Context-parallel size."""
+    vpp: int | None = None
+    """Virtual pipeline stages per rank (interleaved 1F1B), or None."""
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "cp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
+        if self.vpp is not None and (self.vpp < 2 or self.pp < 2):
+            raise ValueError(
+                f"parallel.vpp={self.vpp} needs vpp >= 2 and pp >= 2 (pp is {self.pp})"
+            )
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tp * self.pp * self.cp
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """DP size for ``world_size`` ranks; raises if the layout does not divide it."""
+        if world_size % self.model_parallel_size:
+            raise ValueError(
+                f"world size {world_size} is not divisible by "
+                f"TP({self.tp}) x PP({self.pp}) x CP({self.cp}) = {self.model_parallel_size}"
+            )
+        return world_size // self.model_parallel_size
+
+    def validate_model(
+        self, *, num_layers: int, num_attention_heads: int, num_query_groups: int
+    ) -> None:
+        """Raise a ValueError naming the first model dimension the layout does not divide."""
+        stages = self.pp * (self.vpp or 1)
+        if num_layers % stages:
+            raise ValueError(
+                f"model.num_layers={num_layers} is not divisible by the number of pipeline "
+                f"stages PP({self.pp}) x VPP({self.vpp or 1}) = {stages}"
+            )
+        if num_attention_heads % self.tp:
+            raise ValueError(
+                f"model.num_attention_heads={num_attention_heads} is not divisible by TP={self.tp}"
+            )
+        if num_query_groups % self.tp:
+            raise ValueError(
+                f"model.num_query_groups={num_query_groups} is not divisible by TP={self.tp}"
+            )

@@ -1,0 +1,218 @@
+"""The rollout side's sections: engines and sampling, prompt data, rewards, advantages."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Literal
+
+DATA_SUFFIXES = (".jsonl", ".parquet")
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    """Where generations come from and how they are sampled."""
+
+    engine: Literal["embedded", "sglang"] = "embedded"
+    """The embedded CPU server inside the trainer, or SGLang servers (started or at ``urls``)."""
+    urls: list[str] = field(default_factory=list)
+    """SGLang servers (or one sglang-router) to attach to when engine=sglang."""
+    launch_command: str | None = None
+    """Start the SGLang servers from this command template instead of attaching to ``urls``,
+    e.g. ``python -m sglang.launch_server --model-path /ckpt --host {host} --port {port}``;
+    ``{port}`` is filled per server (also ``{host}``, ``{index}``, ``{model}``: train.init
+    when it is a HF directory, else the tokenizer's). Whatever the servers load, the trainer
+    sends them the policy's weights before the first rollout."""
+    num_servers: int = 1
+    """How many servers ``launch_command`` starts, each on a free port."""
+    server_host: str = "127.0.0.1"
+    """Address the launched servers listen on (``{host}``)."""
+    server_startup_timeout_s: float = 600.0
+    """Limit for the launched servers to generate (``/health_generate``) and join the router."""
+    server_log_dir: str | None = None
+    """Where each launched server's log goes; None makes a temporary directory."""
+    router_url: str | None = None
+    """sglang-router to register the servers with and to generate through; weight
+    updates still go to each server."""
+    prompts_per_step: int = 8
+    """Prompt groups per RL step."""
+    samples_per_prompt: int = 4
+    """Completions per prompt (the GRPO group size)."""
+    max_new_tokens: int = 64
+    """Generation budget per completion (also Dr. GRPO's default L)."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Extra stop tokens besides the tokenizer's end of sequence."""
+    mask_truncated: bool = False
+    """Give completions cut by max_new_tokens no loss tokens (overlong filtering)."""
+    max_concurrency: int = 64
+    request_timeout_s: float = 600.0
+    sync_method: Literal["tensor", "disk", "distributed"] = "tensor"
+    """How weights reach the servers after each step; ``tensor`` (shared memory) and ``disk``
+    need the servers on this machine, ``distributed`` (a gloo/nccl broadcast) does not."""
+    sync_master_address: str = "127.0.0.1"
+    """This process's address as the servers reach it (sync_method=distributed)."""
+    sync_bucket_mb: int = 512
+    """Largest tensor-update request."""
+    dump_dir: str | None = None
+    """Write each step's training samples here (jsonl)."""
+    replay_dir: str | None = None
+    """Train from samples dumped earlier instead of generating (no server)."""
+
+    def __post_init__(self) -> None:
+        for name in ("prompts_per_step", "samples_per_prompt", "max_new_tokens", "max_concurrency"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"rollout.{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_servers < 1:
+            raise ValueError(f"rollout.num_servers must be >= 1, got {self.num_servers}")
+        if self.engine == "sglang" and self.replay_dir is None:
+            if not self.urls and not self.launch_command:
+                raise ValueError("rollout.engine=sglang needs rollout.urls or launch_command")
+            if self.urls and self.launch_command:
+                raise ValueError("set rollout.urls (attach) or rollout.launch_command, not both")
+        if self.sync_method == "distributed" and self.engine != "sglang":
+            raise ValueError("rollout.sync_method=distributed needs rollout.engine=sglang")
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Where the prompts come from and how they become token ids."""
+
+    path: str | list[str] = field(default_factory=list)
+    """A .jsonl or .parquet file, or a list of them (read in order)."""
+    prompt_key: str = "prompt"
+    """Column holding the prompt: a string, or a list of {role, content} messages."""
+    label_key: str = "label"
+    """Column holding the reference answer handed to the reward function."""
+    require_label: bool = True
+    """Skip (and report) rows without a label; False gives such rows label None."""
+    apply_chat_template: bool = True
+    """Render prompts with the tokenizer's chat template (a string becomes one user message)."""
+    system_prompt: str | None = None
+    """System message put before string prompts and message lists that have none."""
+    max_prompt_length: int | None = None
+    """Longest prompt kept, in tokens after templating; None keeps every prompt."""
+    shuffle: bool = True
+    """Shuffle each epoch (the order depends only on seed and epoch)."""
+    seed: int = 1234
+    """Seed of the per-epoch shuffle."""
+
+    def __post_init__(self) -> None:
+        for p in self.paths:
+            if not p.endswith(DATA_SUFFIXES):
+                raise ValueError(f"data.path {p!r} must end in .jsonl or .parquet")
+        if not self.prompt_key:
+            raise ValueError("data.prompt_key must not be empty")
+        if self.max_prompt_length is not None and self.max_prompt_length < 1:
+            raise ValueError(f"data.max_prompt_length must be >= 1, got {self.max_prompt_length}")
+        if self.seed < 0:
+            raise ValueError(f"data.seed must be >= 0, got {self.seed}")
+        if self.system_prompt is not None and not self.apply_chat_template:
+            # Without a template there is nowhere to put a system message.
+            raise ValueError("data.system_prompt needs data.apply_chat_template=true")
+
+    @property
+    def paths(self) -> list[str]:
+        return [self.path] if isinstance(self.path, str) else list(self.path)
+
+
+RewardType = Literal["math", "exact_match", "format", "remote", "custom"]
+
+
+@dataclass(kw_only=True)
+class RewardConfig:
+    """The reward of a response: one main function, plus an optional weighted format term."""
+
+    type: RewardType = "math"
+    """Main reward function (each reads only its own parameters below)."""
+    case_sensitive: bool = True
+    """exact_match: compare case-sensitively."""
+    format_pattern: str | None = None
+    """Regex for the format reward (type=format, or format_weight != 0); compiled with DOTALL."""
+    format_mode: Literal["fullmatch", "search"] = "fullmatch"
+    """The whole response must match the pattern, or only some part of it."""
+    format_match_score: float = 1.0
+    """Format reward of a response that matches."""
+    format_miss_score: float = 0.0
+    """Format reward of a response that does not match."""
+    format_weight: float = 0.0
+    """Add format_weight * format reward to the main reward; 0 disables the term."""
+    remote_url: str | None = None
+    """remote: http(s) URL that is POSTed {"response", "label", "metadata"}."""
+    remote_field: str = "reward"
+    """remote: key of the reward (a number) in the JSON answer."""
+    remote_timeout: float = 30.0
+    """remote: seconds to wait for one answer."""
+    remote_retries: int = 2
+    """remote: extra attempts after a connection error, timeout or 5xx answer."""
+    remote_retry_backoff: float = 0.5
+    """remote: seconds before the first retry, doubled for each later one."""
+    remote_batch_size: int | None = None
+    """remote: POST {"batch": [...]} with up to this many samples and read a list of
+    rewards from remote_field; None sends one request per sample."""
+    custom_function: str | None = None
+    """custom: ``package.module:function`` taking (response, label, metadata) -> float."""
+    on_error: Literal["fail", "zero"] = "fail"
+    """When a reward function raises or returns a non-finite value: stop the run, or score 0."""
+
+    def __post_init__(self) -> None:
+        if self.type == "format" or self.format_weight != 0:
+            if not self.format_pattern:
+                raise ValueError("reward.format_pattern is needed by the format reward")
+        if self.format_pattern is not None:
+            try:
+                re.compile(self.format_pattern)
+            except re.error as e:
+                raise ValueError(f"reward.format_pattern is not a valid regex: {e}") from None
+        if self.type == "format" and self.format_weight != 0:
+            raise ValueError("reward.format_weight adds a format term to another reward type")
+        if self.type == "remote":
+            if not self.remote_url or not self.remote_url.startswith(("http://", "https://")):
+                raise ValueError(
+                    "reward.type=remote needs an http(s) reward.remote_url, "
+                    f"got {self.remote_url!r}"
+                )
+            if not self.remote_field:
+                raise ValueError("reward.remote_field must not be empty")
+        if self.remote_timeout <= 0:
+            raise ValueError(f"reward.remote_timeout must be > 0, got {self.remote_timeout}")
+        if self.remote_retries < 0 or self.remote_retry_backoff < 0:
+            raise ValueError(
+                "reward.remote_retries and reward.remote_retry_backoff must be >= 0, "
+                f"got {self.remote_retries}, {self.remote_retry_backoff}"
+            )
+        if self.remote_batch_size is not None and self.remote_batch_size < 1:
+            raise ValueError(f"reward.remote_batch_size must be >= 1, got {self.remote_batch_size}")
+        if self.type == "custom":
+            module, sep, name = (self.custom_function or "").partition(":")
+            if not (module and sep and name):
+                raise ValueError(
+                    "reward.type=custom needs reward.custom_function='package.module:function', "
+                    f"got {self.custom_function!r}"
+                )
+
+
+@dataclass(kw_only=True)
+class AdvantageConfig:
+    """How rewards become advantages, and which groups are kept."""
+
+    baseline: Literal["mean", "leave_one_out"] = "mean"
+    """Group mean, or the mean of the other samples of the group (RLOO)."""
+    scale_by_std: bool = True
+    """Divide by the group's reward std (GRPO); False for Dr. GRPO."""
+    std_eps: float = 1e-6
+    """Added to the std before dividing."""
+    dynamic_sampling: bool = False
+    """Drop groups with zero reward spread and sample more prompts to fill the batch."""
+    max_sampling_rounds: int = 4
+    """Cap on generation rounds per step when dynamic sampling keeps too few groups."""
+
+    def __post_init__(self) -> None:
+        if self.std_eps < 0:
+            raise ValueError(f"advantages.std_eps must be >= 0, got {self.std_eps}")
+        if self.max_sampling_rounds < 1:
+            raise ValueError(
+                f"advantages.max_sampling_rounds must be >= 1, got {self.max_sampling_rounds}"
+            )

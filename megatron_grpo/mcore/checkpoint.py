@@ -1,0 +1,69 @@
+"""megatron-core distributed checkpoints: save at one layout, load at any other.
+
+Saves are atomic: every rank writes into ``<dir>.partial``; once all ranks
+are done, rank 0 renames it to ``<dir>``. A crash mid-save leaves only a
+``.partial`` folder behind and the previous checkpoint untouched.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from megatron_grpo.mcore.parallel import ParallelContext
+
+
+def model_sharded_state_dict(model: list) -> dict[str, Any]:
+    """The model's sharded state dict; one entry per virtual pipeline chunk."""
+    if len(model) == 1:
+        return {"model": _unwrap(model[0]).sharded_state_dict()}
+    return {f"model{i}": _unwrap(c).sharded_state_dict() for i, c in enumerate(model)}
+
+
+def _unwrap(chunk):
+    return getattr(chunk, "module", chunk)
+
+
+def save(state: dict[str, Any], path: str | Path, ctx: ParallelContext) -> Path:
+    """Save a sharded state dict (model, optimizer, ...) atomically to ``path``."""
+    from megatron.core import dist_checkpointing
+
+    final = Path(path)
+    partial = final.with_name(final.name + ".partial")
+    if ctx.is_main:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+    dist.barrier()
+    dist_checkpointing.save(state, str(partial))
+    dist.barrier()
+    if ctx.is_main:
+        if final.exists():
+            shutil.rmtree(final)
+        partial.rename(final)
+    dist.barrier()
+    return final
+
+
+def load(state: dict[str, Any], path: str | Path) -> dict[str, Any]:
+    """Load ``path`` into the shapes and shards described by ``state``."""
+    from megatron.core import dist_checkpointing
+
+    if not Path(path, "metadata.json").exists():
+        raise FileNotFoundError(f"{path} is not a distributed checkpoint (no metadata.json)")
+    return dist_checkpointing.load(state, str(path))
+
+
+def save_model(model: list, path: str | Path, ctx: ParallelContext) -> Path:
+    return save(model_sharded_state_dict(model), path, ctx)
+
+
+def load_model(model: list, path: str | Path) -> None:
+    loaded = load(model_sharded_state_dict(model), path)
+    if len(model) == 1:
+        _unwrap(model[0]).load_state_dict(loaded["model"])
+    else:
+        for i, chunk in enumerate(model):
+            _unwrap(chunk).load_state_dict(loaded[f"model{i}"])

@@ -1,0 +1,174 @@
+"""The layout-free view of a model: full (unsharded) tensors under TP=1, PP=1 names.
+
+megatron-core's sharded state dict says, for every local shard, which slice of
+which global tensor it is (``ShardedTensor.global_slice()``), including the
+fused SwiGLU and per-query-group QKV layouts. That metadata is used here to
+gather parameters, or their gradients, from every TP/PP rank into full
+tensors named as a single-process GPTModel names them
+(``decoder.layers.3.mlp.linear_fc1.weight``). The same names come out of every
+layout, so two layouts can be compared tensor by tensor, and weight sync has
+one source of truth to map to HF names.
+
+``load_full_state`` goes the other way without any collective: each rank cuts
+its own TP shard of the tensors its chunks hold (``convert.sharding``), reading
+only those names, so a lazy Mapping over a checkpoint streams into the model.
+It accepts either spec's norm names, so what the gather returns loads back.
+
+The vocabulary is padded differently at each TP size; gathered tensors hold
+only the tokenizer's ``vocab_size`` rows, and loaded ones may hold those or
+any padded count (the padding rows are zeros when loaded and take no part in
+the log-softmax).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from megatron_grpo.config import ModelConfig
+from megatron_grpo.convert.sharding import chunk_layer_range, shard_for_rank
+from megatron_grpo.convert.weights import (
+    MEGATRON_EMBEDDING,
+    MEGATRON_OUTPUT,
+    canonical_megatron_name,
+    megatron_key_layer,
+    with_layer_index,
+)
+from megatron_grpo.mcore.checkpoint import model_sharded_state_dict
+from megatron_grpo.mcore.parallel import ParallelContext
+
+_VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+@contextlib.contextmanager
+def _params_as_grads(model: list) -> Iterator[None]:
+    """Temporarily point every parameter's data at its (DDP main) gradient."""
+    saved = []
+    for chunk in model:
+        for p in chunk.parameters():
+            grad = getattr(p, "main_grad", None)
+            if grad is None:
+                grad = p.grad if p.grad is not None else torch.zeros_like(p)
+            saved.append((p, p.data))
+            p.data = grad.to(p.dtype)
+    try:
+        yield
+    finally:
+        for p, data in saved:
+            p.data = data
+
+
+def _local_shards(model: list) -> list[tuple[str, int, tuple[int, ...], tuple, Tensor]]:
+    """(key, prepended axes, global shape, global slice, local view) per local shard."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+    state = model_sharded_state_dict(model)
+    apply_factories(state)
+    shards = []
+    for sh in nested_values(state):
+        if isinstance(sh, ShardedTensor):
+            shards.append(
+                (sh.key, sh.prepend_axis_num, tuple(sh.global_shape), sh.global_slice(), sh.data)
+            )
+    return shards
+
+
+def _full_names(key: str, prepend: int, full: Tensor) -> dict[str, Tensor]:
+    """Unstack a tensor with a prepended layer axis into per-layer state-dict names."""
+    if prepend == 0:
+        return {key: full}
+    assert prepend == 1, f"{key}: {prepend} prepended axes are not supported"
+    stem, _, leaf = key.rpartition("layers.")
+    return {f"{stem}layers.{i}.{leaf}": full[i] for i in range(full.shape[0])}
+
+
+def gather_full_state(
+    model: list, ctx: ParallelContext, *, vocab_size: int, grads: bool = False, dst: int = 0
+) -> dict[str, Tensor] | None:
+    """Full tensors on global rank ``dst`` (None elsewhere): parameters, or gradients.
+
+    Gathers the whole model onto one rank: meant for checks, small models and
+    conversion, not for streaming a large model.
+    """
+    with _params_as_grads(model) if grads else contextlib.nullcontext():
+        local = [
+            (key, prepend, shape, sl, data.detach().to("cpu", copy=True))
+            for key, prepend, shape, sl, data in _local_shards(model)
+        ]
+    gathered: list | None = [None] * ctx.world_size if ctx.rank == dst else None
+    dist.gather_object(local, gathered, dst=dst)
+    if gathered is None:
+        return None
+    full: dict[str, Tensor] = {}
+    prepends: dict[str, int] = {}
+    for rank_shards in gathered:
+        for key, prepend, shape, sl, data in rank_shards:
+            if key not in full:
+                full[key] = torch.full(shape, float("nan"), dtype=data.dtype)
+                prepends[key] = prepend
+            full[key][sl] = data
+    out: dict[str, Tensor] = {}
+    for key, tensor in full.items():
+        if torch.isnan(tensor).any():
+            raise RuntimeError(f"{key}: some slices were not held by any rank")
+        if key in _VOCAB_KEYS:
+            tensor = tensor[:vocab_size]
+        out.update(_full_names(key, prepends[key], tensor))
+    return out
+
+
+def _unwrap(model_chunk: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside DDP / Float16Module wrappers."""
+    while hasattr(model_chunk, "module"):
+        model_chunk = model_chunk.module  # type: ignore[assignment]
+    return model_chunk
+
+
+def _chunk_params(
+    model_chunk: torch.nn.Module, cfg: ModelConfig, ctx: ParallelContext
+) -> dict[str, Tensor]:
+    """A chunk's parameters under global, local-spec names (``_extra_state`` left out)."""
+    model = _unwrap(model_chunk)
+    vp_stage = getattr(model, "vp_stage", None) or 0
+    layers = chunk_layer_range(cfg.num_layers, ctx.pp_rank, ctx.dims.pp, vp_stage, ctx.dims.vpp)
+    params = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if name.endswith("_extra_state"):
+            continue
+        local = megatron_key_layer(name)
+        full_name = name if local is None else with_layer_index(name, layers[local])
+        params[canonical_megatron_name(full_name)] = tensor
+    return params
+
+
+@torch.no_grad()
+def load_full_state(
+    model: list, full: Mapping[str, Tensor], cfg: ModelConfig, ctx: ParallelContext
+) -> None:
+    """Copy this rank's TP shard of each full tensor into its model chunks, in place.
+
+    ``full`` maps global (TP=1, PP=1) names of either spec to full tensors;
+    only the names these chunks hold are read, in model order (embedding,
+    layers, final norm, head), so a lazy Mapping holding one layer at a time
+    works. With tied embeddings and PP > 1 the last stage's copy of the
+    embedding (``output_layer.weight``) is loaded from the embedding.
+    """
+    names = {canonical_megatron_name(k): k for k in full}
+    for chunk in model:
+        for name, param in _chunk_params(chunk, cfg, ctx).items():
+            tied = name == MEGATRON_OUTPUT and cfg.tie_embeddings
+            source = MEGATRON_EMBEDDING if tied else name
+            if source not in names:
+                raise ValueError(f"the full state has no {source!r}, which this model chunk needs")
+            shard = shard_for_rank(name, full[names[source]], ctx.tp_rank, ctx.dims.tp, cfg)
+            if shard.shape != param.shape:
+                raise ValueError(
+                    f"{name}: TP shard has shape {tuple(shard.shape)}, "
+                    f"the model parameter {tuple(param.shape)}"
+                )
+            param.copy_(shard)

@@ -1,0 +1,162 @@
+"""Model builder: megatron-core GPTModel for Llama / Qwen2 / Qwen3-style decoders.
+
+The local (pure PyTorch) layer spec is used when Transformer Engine is not
+importable, the Transformer Engine spec when it is. The model is wrapped in
+megatron-core DistributedDataParallel over the layout's process groups.
+
+Loss normalization is owned by ``megatron_grpo.algo.loss`` (see
+``scaling_contract``): the model config set here leaves megatron-core's own
+per-micro-batch and per-DP-rank averaging switched off
+(``calculate_per_token_loss=True``) so that the loss function alone decides
+the scale of the gradient.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from megatron_grpo.config import ModelConfig
+from megatron_grpo.mcore.parallel import ParallelContext
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def have_transformer_engine() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def transformer_config(cfg: ModelConfig, ctx: ParallelContext):
+    """megatron-core TransformerConfig for ``cfg`` at the layout of ``ctx``."""
+    from megatron.core.transformer import TransformerConfig
+
+    ctx.dims.validate_model(
+        num_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.num_query_groups or cfg.num_attention_heads,
+    )
+    dtype = DTYPES[cfg.params_dtype]
+    return TransformerConfig(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        ffn_hidden_size=cfg.ffn_hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.num_query_groups,
+        kv_channels=cfg.head_dim,
+        tensor_model_parallel_size=ctx.dims.tp,
+        pipeline_model_parallel_size=ctx.dims.pp,
+        virtual_pipeline_model_parallel_size=ctx.dims.vpp,
+        context_parallel_size=ctx.dims.cp,
+        normalization="RMSNorm",
+        layernorm_epsilon=cfg.norm_epsilon,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=cfg.add_qkv_bias,
+        qk_layernorm=cfg.qk_layernorm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=cfg.init_method_std,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype is torch.bfloat16,
+        fp16=dtype is torch.float16,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        attention_softmax_in_fp32=True,
+        variable_seq_lengths=True,
+        moe_token_dispatcher_type="alltoall",  # required by variable_seq_lengths; no MoE here
+        # The loss owns normalization: no division by micro-batch count or DP size.
+        calculate_per_token_loss=True,
+        finalize_model_grads_func=functools.partial(_finalize_grads, pg=ctx.pg),
+    )
+
+
+def _finalize_grads(model, num_tokens=None, pg_collection=None, force_all_reduce=False, *, pg):
+    """megatron-core's finalize_model_grads without its division by the token count.
+
+    The schedule passes the summed per-micro-batch token counts when
+    ``calculate_per_token_loss`` is set; our loss is already scaled by the
+    global denominator, so that count is not applied (see loss.scaling_contract).
+    """
+    from megatron.core.distributed import finalize_model_grads
+
+    finalize_model_grads(
+        model, num_tokens=None, pg_collection=pg, force_all_reduce=force_all_reduce
+    )
+
+
+def layer_spec(cfg: ModelConfig):
+    if have_transformer_engine():
+        from megatron.core.models.gpt.gpt_layer_specs import (
+            get_gpt_layer_with_transformer_engine_spec,
+        )
+
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=cfg.qk_layernorm)
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return get_gpt_layer_local_spec(qk_layernorm=cfg.qk_layernorm, normalization="RMSNorm")
+
+
+def build_gpt(cfg: ModelConfig, ctx: ParallelContext, *, vp_stage: int | None = None):
+    """One GPTModel chunk (this rank's pipeline stage), not wrapped."""
+    from megatron.core.models.gpt import GPTModel
+
+    tcfg = transformer_config(cfg, ctx)
+    num_chunks = ctx.dims.vpp or 1
+    chunk = vp_stage or 0
+    return GPTModel(
+        config=tcfg,
+        transformer_layer_spec=layer_spec(cfg),
+        vocab_size=cfg.padded_vocab_size(ctx.dims.tp),
+        max_sequence_length=cfg.max_position_embeddings,
+        pre_process=ctx.is_first_stage and chunk == 0,
+        post_process=ctx.is_last_stage and chunk == num_chunks - 1,
+        parallel_output=True,
+        share_embeddings_and_output_weights=cfg.tie_embeddings,
+        position_embedding_type="rope",
+        rotary_base=cfg.rotary_base,  # type: ignore[arg-type]  # used as base ** x
+        rope_scaling=cfg.rope_scaling_factor is not None,
+        rope_scaling_factor=cfg.rope_scaling_factor or 8.0,
+        pg_collection=ctx.pg,
+        vp_stage=vp_stage,
+    )
+
+
+def build_model(cfg: ModelConfig, ctx: ParallelContext, *, wrap_ddp: bool = True) -> list:
+    """This rank's model chunks (one per virtual stage), wrapped in megatron-core DDP."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    stages = [None] if ctx.dims.vpp is None else list(range(ctx.dims.vpp))
+    chunks = [build_gpt(cfg, ctx, vp_stage=s) for s in stages]
+    if torch.cuda.is_available():
+        chunks = [c.cuda() for c in chunks]
+    if not wrap_ddp:
+        return chunks
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=False,
+        average_in_collective=False,
+    )
+    return [
+        DistributedDataParallel(
+            config=c.config,
+            ddp_config=ddp_config,
+            module=c,
+            disable_bucketing=i > 0,
+            pg_collection=ctx.pg,
+        )
+        for i, c in enumerate(chunks)
+    ]

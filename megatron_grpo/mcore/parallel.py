@@ -1,0 +1,135 @@
+"""Parallel layout: validated once, initialized once, passed explicitly.
+
+``ParallelDims`` is the user-facing layout (tensor, pipeline, context and
+data-parallel sizes). ``init_parallel`` starts torch.distributed from
+torchrun's environment (gloo on CPU, nccl on GPU), initializes megatron-core's
+parallel state and returns a ``ParallelContext`` holding every process group
+the rest of the code needs. Nothing below the entry point reaches for
+megatron-core's global parallel state.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_grpo.config import ParallelDims
+from megatron_grpo.mcore import device
+
+
+@dataclass(frozen=True)
+class ParallelContext:
+    """Everything a rank needs to know about the layout, built once by ``init_parallel``."""
+
+    dims: ParallelDims
+    world_size: int
+    rank: int
+    dp_size: int
+    dp_rank: int
+    tp_rank: int
+    pp_rank: int
+    cp_rank: int
+    pg: object
+    """megatron-core ``ProcessGroupCollection`` (tp, pp, cp, dp, dp_cp, mp, embd, ...)."""
+
+    @property
+    def tp_group(self) -> dist.ProcessGroup:
+        return self.pg.tp  # type: ignore[attr-defined]
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup:
+        return self.pg.pp  # type: ignore[attr-defined]
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        return self.pg.dp  # type: ignore[attr-defined]
+
+    @property
+    def dp_cp_group(self) -> dist.ProcessGroup:
+        """The group that holds distinct data: where loss denominators are all-reduced."""
+        return self.pg.dp_cp  # type: ignore[attr-defined]
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.dims.pp - 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_parallel(
+    dims: ParallelDims, *, seed: int = 1234, timeout_minutes: int = 10
+) -> ParallelContext:
+    """Start torch.distributed from torchrun's environment and megatron-core's groups."""
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    device.install()
+    if not dist.is_initialized():
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        dims.data_parallel_size(world_size)  # fail before any collective
+        if device.cuda_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(
+            backend=device.distributed_backend(),
+            init_method="env://" if "MASTER_ADDR" in os.environ else _single_process_init(),
+            world_size=world_size,
+            rank=int(os.environ.get("RANK", "0")),
+            timeout=datetime.timedelta(minutes=timeout_minutes),
+        )
+    world_size = dist.get_world_size()
+    dp_size = dims.data_parallel_size(world_size)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=dims.tp,
+        pipeline_model_parallel_size=dims.pp,
+        virtual_pipeline_model_parallel_size=dims.vpp,
+        context_parallel_size=dims.cp,
+        distributed_timeout_minutes=timeout_minutes,
+    )
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    pg = ProcessGroupCollection.use_mpu_process_groups()
+    return ParallelContext(
+        dims=dims,
+        world_size=world_size,
+        rank=dist.get_rank(),
+        dp_size=dp_size,
+        dp_rank=dist.get_rank(pg.dp),
+        tp_rank=dist.get_rank(pg.tp),
+        pp_rank=dist.get_rank(pg.pp),
+        cp_rank=dist.get_rank(pg.cp),
+        pg=pg,
+    )
+
+
+def _single_process_init() -> str:
+    """A file-store rendezvous for running one process without torchrun."""
+    import tempfile
+
+    return "file://" + os.path.join(tempfile.mkdtemp(prefix="megatron_grpo_"), "rendezvous")
+
+
+def broadcast_object(obj: Any, ctx: ParallelContext) -> Any:
+    """``obj`` from global rank 0 on every rank."""
+    if ctx.world_size == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def destroy_parallel() -> None:
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,69 @@
+"""megatron-core's forward/backward schedule, driven with explicit process groups.
+
+``run_schedule`` feeds a list of micro-batches through the (pipelined)
+model. Each micro-batch is a dict with at least ``tokens`` [B, S] and
+``position_ids`` [B, S]; ``loss_fn(micro_batch, logits_BSV)`` runs on the
+last pipeline stage and returns ``(loss, num_tokens, metrics)``. The loss is
+used exactly as returned: the model config sets ``calculate_per_token_loss``
+and replaces the token-count division (see ``megatron_grpo.algo.loss``), so the
+gradient is the sum over micro-batches and DP ranks of d(loss)/d(params).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from megatron_grpo.mcore.parallel import ParallelContext
+
+LossFn = Callable[[dict[str, Any], torch.Tensor], tuple[torch.Tensor, torch.Tensor, dict]]
+
+
+def run_schedule(
+    model: list,
+    ctx: ParallelContext,
+    micro_batches: list[dict[str, Any]],
+    loss_fn: LossFn,
+    *,
+    forward_only: bool = False,
+) -> list[dict]:
+    """Run forward (and backward) over ``micro_batches``; return the last stage's metrics.
+
+    On ranks that are not the last pipeline stage the returned list is empty.
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+    if not micro_batches:
+        raise ValueError("run_schedule needs at least one micro-batch")
+    config = model[0].config
+
+    def forward_step(data_iterator, chunk):
+        batch = next(data_iterator)
+        logits = chunk(batch["tokens"], batch["position_ids"], batch.get("attention_mask"))
+        return logits, lambda output: loss_fn(batch, output)
+
+    num_chunks = len(model)
+    iterators: Any = [iter(micro_batches) for _ in range(num_chunks)]
+    if num_chunks == 1:
+        iterators = iterators[0]
+    schedule = get_forward_backward_func(pp_size=ctx.dims.pp, vp_size=ctx.dims.vpp)
+    return schedule(
+        forward_step_func=forward_step,
+        data_iterator=iterators,
+        model=model if num_chunks > 1 else model[0],
+        num_microbatches=len(micro_batches),
+        seq_length=max(mb["tokens"].shape[1] for mb in micro_batches),
+        micro_batch_size=micro_batches[0]["tokens"].shape[0],
+        forward_only=forward_only,
+        p2p_communicator=P2PCommunicator(pp_group=ctx.pp_group, config=config),
+        pg_collection=ctx.pg,
+    )
+
+
+def zero_grads(model: list) -> None:
+    """Clear the DDP gradient buffers before a new global batch."""
+    for chunk in model:
+        chunk.zero_grad_buffer()

@@ -1,0 +1,187 @@
+"""The main rank's handle on the rollout engines: clients, and the servers it started.
+
+Engines: the embedded server inside this process, or SGLang servers, either
+started here from ``launch_command`` (stopped again by ``close()``) or
+attached to at ``urls``. With ``router_url`` the servers are registered with
+sglang-router and generation goes through it, while weight updates go to
+each server directly.
+
+It owns one event loop for the clients' whole life (aiohttp sessions are
+bound to the loop that made them), and offers the two things the training
+loop does with the engines: generate groups of completions, and push new
+weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import tempfile
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from megatron_grpo.config import RolloutConfig
+
+logger = logging.getLogger(__name__)
+
+
+class RolloutRuntime:
+    def __init__(
+        self,
+        cfg: RolloutConfig,
+        *,
+        hf_model=None,
+        tokenizer=None,
+        seed: int = 0,
+        weight_version: str = "0",
+        model_path: str | None = None,
+    ):
+        """``model_path`` fills ``{model}`` in ``cfg.launch_command``."""
+        from megatron_grpo.rollout.client import ClientConfig, SGLangClient
+        from megatron_grpo.rollout.embedded.server import start_embedded_server
+
+        self.cfg = cfg
+        self.server = None
+        self.servers = None
+        self._update_group: Any = None
+        if cfg.engine == "embedded":
+            if hf_model is None:
+                raise ValueError("the embedded rollout engine needs the policy as a HF model")
+            self.server = start_embedded_server(
+                hf_model,
+                tokenizer=tokenizer,
+                weight_version=weight_version,
+                seed=seed,
+                max_batch_size=max(cfg.prompts_per_step * cfg.samples_per_prompt, 1),
+            )
+            generate_urls = weight_urls = (self.server.url,)
+        else:
+            self.servers = _start_or_attach(cfg, model_path)
+            generate_urls, weight_urls = self.servers.generate_urls, self.servers.urls
+        self.loop = asyncio.new_event_loop()
+
+        def client(urls: tuple[str, ...]) -> SGLangClient:
+            config = ClientConfig(
+                urls=urls,
+                max_concurrency=cfg.max_concurrency,
+                request_timeout_s=cfg.request_timeout_s,
+            )
+            opened = SGLangClient(config)
+            self.loop.run_until_complete(opened.__aenter__())
+            return opened
+
+        try:
+            self.client = client(generate_urls)
+            same = weight_urls == generate_urls
+            self.weight_client = self.client if same else client(weight_urls)
+        except BaseException:
+            self._stop_engines()
+            raise
+
+    def generate_groups(
+        self, prompts: list[list[int]], cfg: RolloutConfig, *, seed: int, stop_token_ids: list[int]
+    ) -> list[list[Any]]:
+        """cfg.samples_per_prompt completions of each prompt, grouped by prompt."""
+        from megatron_grpo.rollout.types import RolloutRequest, SamplingParams
+
+        request = RolloutRequest(
+            prompts=tuple(tuple(p) for p in prompts),
+            num_samples=cfg.samples_per_prompt,
+            sampling=SamplingParams(
+                max_new_tokens=cfg.max_new_tokens,
+                temperature=cfg.temperature,
+                top_p=cfg.top_p,
+                top_k=cfg.top_k,
+                stop_token_ids=tuple(stop_token_ids),
+                seed=seed,
+            ),
+        )
+        flat = self.loop.run_until_complete(self.client.generate(request))
+        groups: list[list[Any]] = [[None] * cfg.samples_per_prompt for _ in prompts]
+        for s in flat:
+            groups[s.prompt_index][s.sample_index] = s
+        return groups
+
+    def push_weights(
+        self, named: Mapping[str, torch.Tensor], *, weight_version: str, **kwargs
+    ) -> None:
+        """Send HF-named weights to every server (``kwargs``: see ``weight_sync.push``)."""
+        from megatron_grpo.mcore import device
+        from megatron_grpo.rollout import weight_sync
+
+        timeout_s = self.weight_client.config.weight_update_timeout_s
+        if self.cfg.sync_method == "distributed" and self._update_group is None:
+            self._update_group = self.loop.run_until_complete(
+                weight_sync.open_update_group(
+                    self.weight_client,
+                    master_address=self.cfg.sync_master_address,
+                    backend=device.distributed_backend(),
+                    timeout_s=timeout_s,
+                )
+            )
+        try:
+            self.loop.run_until_complete(
+                weight_sync.push(
+                    self.weight_client,
+                    named,
+                    method=self.cfg.sync_method,
+                    weight_version=weight_version,
+                    bucket_bytes=self.cfg.sync_bucket_mb << 20,
+                    tensor_format="sglang" if self.cfg.engine == "sglang" else "embedded",
+                    update_group=self._update_group,
+                    **kwargs,
+                )
+            )
+        finally:
+            if self._update_group is not None and self._update_group.broken:
+                self._close_update_group()  # the next push opens a fresh one
+
+    def _close_update_group(self) -> None:
+        from megatron_grpo.rollout import weight_sync
+        from megatron_grpo.rollout.errors import RolloutError
+
+        group, self._update_group = self._update_group, None
+        try:
+            self.loop.run_until_complete(weight_sync.close_update_group(self.weight_client, group))
+        except RolloutError as err:
+            logger.warning("could not close the weight-update group %s: %s", group.name, err)
+
+    def close(self) -> None:
+        try:
+            if self._update_group is not None:
+                self._close_update_group()
+            for client in {id(c): c for c in (self.client, self.weight_client)}.values():
+                self.loop.run_until_complete(client.close())
+            self.loop.close()
+        finally:
+            self._stop_engines()
+
+    def _stop_engines(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+        if self.servers is not None:
+            self.servers.stop()
+
+
+def _start_or_attach(cfg: RolloutConfig, model_path: str | None):
+    """The SGLang servers of ``cfg``: started from ``launch_command``, or attached at ``urls``."""
+    from megatron_grpo.rollout.servers import LaunchConfig, attach_servers, launch_servers
+
+    if cfg.launch_command is None:
+        return attach_servers(
+            cfg.urls, router_url=cfg.router_url, timeout_s=cfg.server_startup_timeout_s
+        )
+    log_dir = cfg.server_log_dir or tempfile.mkdtemp(prefix="mgrpo_sglang_logs_")
+    return launch_servers(
+        LaunchConfig(
+            command=cfg.launch_command,
+            num_servers=cfg.num_servers,
+            host=cfg.server_host,
+            model=model_path,
+            log_dir=log_dir,
+            startup_timeout_s=cfg.server_startup_timeout_s,
+            router_url=cfg.router_url,
+        )
+    )

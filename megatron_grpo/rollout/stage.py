@@ -1,0 +1,223 @@
+"""One step's rollout on the main rank: prompts -> generations -> rewards -> advantages.
+
+Dynamic sampling keeps only groups with reward spread and asks for more
+prompts until ``prompts_per_step`` groups are kept, at most
+``max_sampling_rounds`` rounds; if the cap is hit, the batch is completed
+with flat groups (advantage 0: they add KL/entropy terms only) and the
+shortfall is reported. ``dump_dir`` writes each step's training samples as
+jsonl; ``replay_dir`` reads them back instead of generating.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_grpo.algo.advantages import fill_batch, group_advantages, has_spread
+from megatron_grpo.algo.batch import Sample
+from megatron_grpo.config import AdvantageConfig, RolloutConfig
+
+
+@dataclass
+class RolloutBatch:
+    samples: list[Sample]
+    stats: dict[str, float]
+
+
+def stop_token_ids(tokenizer, extra: list[int]) -> list[int]:
+    """The configured stop tokens plus the tokenizer's end of sequence."""
+    eos = tokenizer.eos_token_id
+    return list(extra) + ([eos] if isinstance(eos, int) and eos not in extra else [])
+
+
+def _to_samples(
+    generations: list[list[Any]],
+    rewards: torch.Tensor,
+    advantages: torch.Tensor,
+    mask_truncated: bool,
+) -> list[Sample]:
+    out: list[Sample] = []
+    for g, group in enumerate(generations):
+        for k, gen in enumerate(group):
+            prompt, output = list(gen.prompt_ids), list(gen.output_ids)
+            mask = [0.0] * len(prompt) + [1.0] * len(output)
+            if mask_truncated and gen.finish_reason.type == "length":
+                mask = [0.0] * len(mask)
+            out.append(
+                Sample(
+                    tokens=torch.tensor(prompt + output, dtype=torch.long),
+                    loss_mask=torch.tensor(mask),
+                    advantage=float(advantages[g, k]),
+                    group=g,
+                    sample_id=len(out),
+                    rollout_logprobs=torch.tensor([0.0] * len(prompt) + list(gen.rollout_logprobs)),
+                )
+            )
+    return out
+
+
+def response_stats(rewards: list[float], lengths: list[int], truncated: int) -> dict[str, float]:
+    """Reward and length of every response sampled this step (dropped groups too)."""
+    r = torch.tensor(rewards)
+    return {
+        "reward_mean": float(r.mean()),
+        "reward_std": float(r.std()) if len(r) > 1 else 0.0,
+        "response_length_mean": sum(lengths) / len(lengths),
+        "response_length_max": float(max(lengths)),
+        "truncated_fraction": truncated / len(lengths),
+    }
+
+
+def length_by_advantage(generations: list[list[Any]], advantages: torch.Tensor) -> dict[str, float]:
+    """Mean response length of the trained samples better and worse than their group.
+
+    The loss modes differ in how they weigh long responses with a negative advantage (the
+    length bias of seq-mean-token-mean), so their lengths are worth a curve of their own.
+    A side with no sample (all groups flat) is left out.
+    """
+    out: dict[str, float] = {}
+    for name, sign in (("pos", 1), ("neg", -1)):
+        picked = [
+            len(gen.output_ids)
+            for g, group in enumerate(generations)
+            for k, gen in enumerate(group)
+            if float(advantages[g, k]) * sign > 0
+        ]
+        if picked:
+            out[f"response_length_{name}_adv_mean"] = sum(picked) / len(picked)
+    return out
+
+
+def collect(
+    step: int,
+    *,
+    sampler,
+    runtime,
+    scorer,
+    tokenizer,
+    cfg: RolloutConfig,
+    adv_cfg: AdvantageConfig,
+    seed: int,
+    stop_token_ids: list[int],
+) -> RolloutBatch:
+    """Generate, score and turn into training samples (main rank only)."""
+    start = time.perf_counter()
+    kept_gens: list[list[Any]] = []
+    kept_rewards: list[torch.Tensor] = []
+    flat_gens: list[list[Any]] = []
+    flat_rewards: list[torch.Tensor] = []
+    reward_errors = dropped = rounds = 0
+    all_rewards: list[float] = []
+    lengths: list[int] = []
+    truncated = 0
+    while len(kept_gens) < cfg.prompts_per_step and rounds < adv_cfg.max_sampling_rounds:
+        need = cfg.prompts_per_step - len(kept_gens)
+        items = sampler.next_batch(need if adv_cfg.dynamic_sampling else cfg.prompts_per_step)
+        round_seed = seed + 1_000_003 * step + 10_007 * rounds
+        groups = runtime.generate_groups(
+            [it.prompt_ids for it in items], cfg, seed=round_seed, stop_token_ids=stop_token_ids
+        )
+        texts = [
+            tokenizer.decode(list(s.output_ids), skip_special_tokens=True)
+            for grp in groups
+            for s in grp
+        ]
+        labels = [it.label for it in items for _ in range(cfg.samples_per_prompt)]
+        metas = [it.metadata for it in items for _ in range(cfg.samples_per_prompt)]
+        scored = scorer.score(texts, labels, metas)
+        reward_errors += scored.num_errors
+        rewards = torch.tensor(scored.rewards, dtype=torch.float64).view(len(items), -1)
+        all_rewards += scored.rewards
+        lengths += [len(s.output_ids) for grp in groups for s in grp]
+        truncated += sum(s.finish_reason.type == "length" for grp in groups for s in grp)
+        rounds += 1
+        if not adv_cfg.dynamic_sampling:
+            kept_gens, kept_rewards = groups, list(rewards)
+            break
+        spread = has_spread(rewards).tolist()
+        filled = fill_batch(spread, need)
+        dropped += filled.num_dropped
+        kept_gens += [groups[i] for i in filled.kept]
+        kept_rewards += [rewards[i] for i in filled.kept]
+        flat_gens += [groups[i] for i, ok in enumerate(spread) if not ok]
+        flat_rewards += [rewards[i] for i, ok in enumerate(spread) if not ok]
+    shortfall = cfg.prompts_per_step - len(kept_gens)
+    if shortfall > 0:  # the round cap was hit: complete with flat groups
+        kept_gens += flat_gens[:shortfall]
+        kept_rewards += flat_rewards[:shortfall]
+    if len(kept_gens) < cfg.prompts_per_step:
+        raise RuntimeError(
+            f"step {step}: only {len(kept_gens)} of {cfg.prompts_per_step} prompt groups after "
+            f"{rounds} sampling rounds"
+        )
+    rewards_GN = torch.stack(kept_rewards)
+    advantages = group_advantages(rewards_GN, adv_cfg)
+    samples = _to_samples(kept_gens, rewards_GN, advantages, cfg.mask_truncated)
+    elapsed = time.perf_counter() - start
+    stats = {
+        **response_stats(all_rewards, lengths, truncated),
+        **length_by_advantage(kept_gens, advantages),
+        "reward_errors": float(reward_errors),
+        "groups_dropped": float(dropped),
+        "groups_flat_kept": float(max(shortfall, 0)),
+        "sampling_rounds": float(rounds),
+        "time_rollout_s": elapsed,
+        "rollout_tokens_per_s": sum(lengths) / max(elapsed, 1e-9),
+    }
+    return RolloutBatch(samples, stats)
+
+
+# --------------------------------------------------------------------------- dump / replay
+
+
+def dump(batch: RolloutBatch, dump_dir: str | Path, step: int) -> Path:
+    path = Path(dump_dir) / f"step_{step:08d}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        f.write(json.dumps({"stats": batch.stats}) + "\n")
+        for s in batch.samples:
+            f.write(
+                json.dumps(
+                    {
+                        "tokens": s.tokens.tolist(),
+                        "loss_mask": s.loss_mask.tolist(),
+                        "advantage": s.advantage,
+                        "group": s.group,
+                        "sample_id": s.sample_id,
+                        "rollout_logprobs": None
+                        if s.rollout_logprobs is None
+                        else s.rollout_logprobs.tolist(),
+                    }
+                )
+                + "\n"
+            )
+    return path
+
+
+def replay(replay_dir: str | Path, step: int) -> RolloutBatch:
+    path = Path(replay_dir) / f"step_{step:08d}.jsonl"
+    if not path.exists():
+        raise FileNotFoundError(f"rollout.replay_dir has no dump for step {step}: {path}")
+    lines = path.read_text().splitlines()
+    stats = json.loads(lines[0])["stats"]
+    samples = []
+    for line in lines[1:]:
+        row = json.loads(line)
+        samples.append(
+            Sample(
+                tokens=torch.tensor(row["tokens"], dtype=torch.long),
+                loss_mask=torch.tensor(row["loss_mask"]),
+                advantage=row["advantage"],
+                group=row["group"],
+                sample_id=row["sample_id"],
+                rollout_logprobs=None
+                if row["rollout_logprobs"] is None
+                else torch.tensor(row["rollout_logprobs"]),
+            )
+        )
+    return RolloutBatch(samples, stats)

@@ -1,0 +1,188 @@
+"""The GRPO loop: rollout -> reward -> advantages -> optimizer steps -> weight sync.
+
+Every rank runs this. Generation, scoring and the data cursor live on global
+rank 0, which broadcasts each step's training samples; the train step and
+the weight gather are collective.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from megatron_grpo.config import Config, dump_config, to_dict
+from megatron_grpo.mcore.model import build_model, have_transformer_engine
+from megatron_grpo.mcore.optim import build_optimizer
+from megatron_grpo.mcore.parallel import broadcast_object, init_parallel
+from megatron_grpo.metrics import MetricsLogger
+from megatron_grpo.rollout import stage as rollout_stage
+from megatron_grpo.rollout import weight_sync
+from megatron_grpo.train import sources
+from megatron_grpo.train import state as train_state
+from megatron_grpo.train.step import StepSettings, train_on_rollout
+
+
+def train(cfg: Config) -> None:
+    ctx = init_parallel(cfg.parallel, seed=cfg.seed)
+    out = Path(cfg.output_dir)
+    if ctx.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.yaml").write_text(dump_config(cfg))
+        print(dump_config(cfg), flush=True)
+    model = build_model(cfg.model, ctx)
+    optimizer, scheduler = build_optimizer(cfg.optim, cfg.model, model, ctx)
+    sources.load_initial_weights(model, cfg, ctx)
+    ref_model = None
+    if cfg.loss.kl_coef:  # frozen copy of the initial policy, forward only
+        ref_model = build_model(cfg.model, ctx, wrap_ddp=False)
+        sources.load_initial_weights(ref_model, cfg, ctx)
+    start_step, extra = 0, dict[str, Any]()
+    latest = train_state.latest_checkpoint(out)
+    if latest is not None:
+        start_step, extra = train_state.load(
+            latest, model=model, optimizer=optimizer, scheduler=scheduler, ctx=ctx
+        )
+    rollout = None
+    if cfg.rollout.replay_dir is None:
+        rollout = _RolloutSide(cfg, ctx, model, extra, start_step=start_step)
+    settings = step_settings(cfg)
+    logger = MetricsLogger(
+        out,
+        cfg.metrics,
+        enabled=ctx.is_main,
+        run_config=to_dict(cfg),
+        total_steps=cfg.train.total_steps,
+        start_step=start_step,
+    )
+    for step in range(start_step + 1, cfg.train.total_steps + 1):
+        t0 = time.perf_counter()
+        if cfg.rollout.replay_dir is not None:
+            batch = rollout_stage.replay(cfg.rollout.replay_dir, step) if ctx.is_main else None
+        else:
+            assert rollout is not None
+            batch = rollout.collect(step)
+        batch = broadcast_object(batch, ctx)
+        t1 = time.perf_counter()
+        history = train_on_rollout(
+            model, optimizer, scheduler, ctx, batch.samples, cfg.loss, settings, ref_model=ref_model
+        )
+        t2 = time.perf_counter()
+        if rollout is not None:
+            rollout.sync(model, step)
+        t3 = time.perf_counter()
+        num_tokens = sum(len(s) for s in batch.samples)
+        logger.log(
+            step,
+            {
+                **batch.stats,
+                **history[-1],
+                "time_rollout_s": t1 - t0,
+                "time_train_s": t2 - t1,
+                "time_sync_s": t3 - t2,
+                "tokens_per_s": num_tokens * settings.num_iterations / max(t2 - t1, 1e-9),
+            },
+        )
+        last = step == cfg.train.total_steps
+        if last or (cfg.train.save_interval and step % cfg.train.save_interval == 0):
+            train_state.save(
+                out,
+                step,
+                model=model,
+                optimizer=optimizer,
+                scheduler=scheduler,
+                ctx=ctx,
+                extra=broadcast_object(rollout.state() if rollout else {}, ctx),
+                keep_last=cfg.train.keep_last,
+            )
+    logger.close()
+    if rollout is not None:
+        rollout.close()
+
+
+def step_settings(cfg: Config) -> StepSettings:
+    """Batch sizes and packing of the optimizer steps (packed unless Transformer Engine runs)."""
+    pack = cfg.train.pack_sequences
+    return StepSettings(
+        global_batch_size=cfg.train.global_batch_size
+        or cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt,
+        num_iterations=cfg.train.num_iterations,
+        max_tokens_per_micro_batch=cfg.train.max_tokens_per_micro_batch,
+        pack=pack if pack is not None else not have_transformer_engine(),
+        vocab_size=cfg.model.vocab_size,
+        max_len=cfg.rollout.max_new_tokens,
+    )
+
+
+class _RolloutSide:
+    """Data, rewards and engines: real on global rank 0, weight gathers everywhere."""
+
+    def __init__(self, cfg: Config, ctx, model: list, extra: dict, *, start_step: int) -> None:
+        self.cfg, self.ctx = cfg, ctx
+        named = weight_sync.hf_state(model, ctx, cfg.model, cfg.model.hf_family)  # collective
+        if named is None:  # not the main rank
+            return
+        from transformers import AutoTokenizer
+
+        from megatron_grpo.data import PromptDataset, PromptSampler
+        from megatron_grpo.rewards import RewardScorer
+        from megatron_grpo.rollout.embedded.weights import hf_model_from_state
+        from megatron_grpo.rollout.runtime import RolloutRuntime
+
+        self.tokenizer = AutoTokenizer.from_pretrained(sources.tokenizer_path(cfg))
+        self.sampler = PromptSampler.from_config(PromptDataset(cfg.data, self.tokenizer))
+        if "sampler" in extra:
+            self.sampler.load_state_dict(extra["sampler"])
+        self.scorer = RewardScorer(cfg.reward)
+        self.stop = rollout_stage.stop_token_ids(self.tokenizer, cfg.rollout.stop_token_ids)
+        embedded = cfg.rollout.engine == "embedded"
+        self.runtime = RolloutRuntime(
+            cfg.rollout,
+            hf_model=hf_model_from_state(named, cfg.model) if embedded else None,
+            tokenizer=self.tokenizer,
+            seed=cfg.seed,
+            weight_version=str(start_step),
+            model_path=sources.hf_model_path(cfg),
+        )
+        if not embedded:
+            # SGLang servers load their weights from disk, which need not be the policy's (a
+            # Megatron train.init, a resumed run): the first rollout uses the learner's.
+            self._push(named, start_step)
+
+    def collect(self, step: int):
+        if not self.ctx.is_main:
+            return None
+        batch = rollout_stage.collect(
+            step,
+            sampler=self.sampler,
+            runtime=self.runtime,
+            scorer=self.scorer,
+            tokenizer=self.tokenizer,
+            cfg=self.cfg.rollout,
+            adv_cfg=self.cfg.advantages,
+            seed=self.cfg.seed,
+            stop_token_ids=self.stop,
+        )
+        if self.cfg.rollout.dump_dir:
+            rollout_stage.dump(batch, self.cfg.rollout.dump_dir, step)
+        return batch
+
+    def sync(self, model: list, step: int) -> None:
+        named = weight_sync.hf_state(model, self.ctx, self.cfg.model, self.cfg.model.hf_family)
+        if named is not None:
+            self._push(named, step)
+
+    def _push(self, named: dict, step: int) -> None:
+        self.runtime.push_weights(
+            named,
+            weight_version=str(step),
+            model_cfg=self.cfg.model,
+            family=self.cfg.model.hf_family,
+        )
+
+    def state(self) -> dict:
+        return {"sampler": self.sampler.state_dict()} if self.ctx.is_main else {}
+
+    def close(self) -> None:
+        if self.ctx.is_main:
+            self.runtime.close()
