@@ -3,18 +3,23 @@
 One sample: ``{"response", "label", "metadata"}`` -> ``{<field>: float}``.
 A batch: ``{"batch": [<sample>, ...]}`` -> ``{<field>: [float, ...]}``.
 Connection errors, timeouts and 5xx answers are retried with doubling
-back-off; a 4xx answer means the request itself is wrong and is not.
+back-off (``megatron_grpo.http.retrying``); a 4xx answer means the request
+itself is wrong and is not.
+
+The scoring methods are synchronous, each request on its own short-lived
+event loop; ``score_async`` and ``score_batch_async`` are the same for
+callers that run an event loop, optionally on their own aiohttp session.
 """
 
 from __future__ import annotations
 
-import http.client
-import json
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from megatron_grpo import http
+
+if TYPE_CHECKING:
+    import aiohttp
 
 
 class RemoteRewardError(RuntimeError):
@@ -34,8 +39,7 @@ class RemoteReward:
         self.backoff = backoff
 
     def __call__(self, response: str, label: Any, metadata: dict[str, Any]) -> float:
-        answer = self._post({"response": response, "label": label, "metadata": metadata})
-        return self._number(answer.get(self.field))
+        return http.run_sync(self.score_async(response, label, metadata))
 
     def score_batch(
         self,
@@ -43,11 +47,33 @@ class RemoteReward:
         labels: Sequence[Any],
         metadatas: Sequence[dict[str, Any]],
     ) -> list[float]:
+        return http.run_sync(self.score_batch_async(responses, labels, metadatas))
+
+    async def score_async(
+        self,
+        response: str,
+        label: Any,
+        metadata: dict[str, Any],
+        *,
+        session: aiohttp.ClientSession | None = None,
+    ) -> float:
+        payload = {"response": response, "label": label, "metadata": metadata}
+        answer = await self._post(payload, session)
+        return self._number(answer.get(self.field))
+
+    async def score_batch_async(
+        self,
+        responses: Sequence[str],
+        labels: Sequence[Any],
+        metadatas: Sequence[dict[str, Any]],
+        *,
+        session: aiohttp.ClientSession | None = None,
+    ) -> list[float]:
         batch = [
             {"response": r, "label": lb, "metadata": m}
             for r, lb, m in zip(responses, labels, metadatas, strict=True)
         ]
-        values = self._post({"batch": batch}).get(self.field)
+        values = (await self._post({"batch": batch}, session)).get(self.field)
         if not isinstance(values, list) or len(values) != len(batch):
             raise RemoteRewardError(
                 f"{self.url}: expected {self.field!r} to be a list of {len(batch)} numbers, "
@@ -60,37 +86,27 @@ class RemoteReward:
             raise RemoteRewardError(f"{self.url}: field {self.field!r} is not a number: {value!r}")
         return float(value)
 
-    def _post(self, payload: dict[str, Any]) -> dict[str, Any]:
-        # default=str: metadata from parquet may hold dates or other non-JSON values.
-        body = json.dumps(payload, default=str).encode()
-        request = urllib.request.Request(
-            self.url, data=body, headers={"Content-Type": "application/json"}, method="POST"
-        )
-        last_error = ""
-        for attempt in range(self.retries + 1):
-            if attempt:
-                time.sleep(self.backoff * 2 ** (attempt - 1))
-            try:
-                with urllib.request.urlopen(request, timeout=self.timeout) as reply:
-                    raw = reply.read()
-            except urllib.error.HTTPError as e:
-                detail = e.read()[:200].decode(errors="replace")
-                if e.code < 500:
-                    raise RemoteRewardError(
-                        f"{self.url} answered HTTP {e.code}: {detail}"
-                    ) from None
-                last_error = f"HTTP {e.code}: {detail}"
-                continue
-            except (OSError, http.client.HTTPException) as e:  # refused, reset, timed out
-                last_error = f"{type(e).__name__}: {e}"
-                continue
-            try:
-                answer = json.loads(raw)
-            except ValueError:
-                raise RemoteRewardError(f"{self.url} answered non-JSON: {raw[:200]!r}") from None
-            if not isinstance(answer, dict):
-                raise RemoteRewardError(f"{self.url} answered {answer!r:.200}, not a JSON object")
-            return answer
-        raise RemoteRewardError(
-            f"{self.url} failed after {self.retries + 1} attempts; last error: {last_error}"
-        )
+    async def _post(
+        self, payload: dict[str, Any], session: aiohttp.ClientSession | None
+    ) -> dict[str, Any]:
+        async def attempt(_: int) -> http.Reply:
+            reply = await http.request(
+                "POST",
+                self.url,
+                payload,
+                timeout_s=self.timeout,
+                session=session,
+                # Metadata from parquet may hold dates or other non-JSON values.
+                json_default=str,
+            )
+            reply.raise_for_status()
+            return reply
+
+        policy = http.RetryPolicy(max_retries=self.retries, initial_s=self.backoff)
+        try:
+            answer = (await http.retrying(attempt, policy)).json()
+        except (http.RequestError, ValueError) as err:  # 4xx, retries spent, or not JSON
+            raise RemoteRewardError(str(err)) from err
+        if not isinstance(answer, dict):
+            raise RemoteRewardError(f"{self.url} answered {answer!r:.200}, not a JSON object")
+        return answer

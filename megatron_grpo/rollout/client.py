@@ -3,8 +3,10 @@
 One ``/generate`` request per sample (see ``protocol.py``), spread round-robin
 over the servers, at most ``max_concurrency`` at a time. Each request has a
 timeout; connection failures and HTTP 5xx are retried with exponential
-backoff on the next server, HTTP 4xx is not retried. A batch in which some
-samples fail raises ``RolloutBatchError`` carrying the samples that finished.
+backoff on the next server (``megatron_grpo.http.retrying``), HTTP 4xx is not
+retried, and a generation that times out is aborted rather than retried. A
+batch in which some samples fail raises ``RolloutBatchError`` carrying the
+samples that finished.
 
 Every wait is bounded: a generation by ``request_timeout_s``, a control call
 by ``control_timeout_s`` (``weight_update_timeout_s`` for weight updates).
@@ -14,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import logging
 import uuid
 from collections.abc import Mapping, Sequence
@@ -23,6 +24,7 @@ from typing import Any, Literal
 
 import aiohttp
 
+from megatron_grpo import http
 from megatron_grpo.rollout.errors import (
     RolloutBatchError,
     RolloutError,
@@ -84,19 +86,6 @@ class ClientConfig:
                 raise ValueError(f"{name} must be > 0, got {value}")
 
 
-def backoff_delay_s(retry: int, *, initial_s: float, max_s: float) -> float:
-    """Wait before retry number ``retry`` (0-based): initial, 2x, 4x, ... capped at max."""
-    return min(max_s, initial_s * 2.0**retry)
-
-
-class _Retryable(Exception):
-    """One attempt failed in a way worth trying again (connection error or HTTP 5xx)."""
-
-    def __init__(self, error: RolloutError) -> None:
-        super().__init__(str(error))
-        self.error = error
-
-
 class SGLangClient:
     """A client for one or more servers; use as ``async with SGLangClient(config) as client``."""
 
@@ -104,6 +93,11 @@ class SGLangClient:
         self.config = config
         self._urls = tuple(url.rstrip("/") for url in config.urls)
         self._next_url = itertools.cycle(range(len(self._urls)))
+        self._retry = http.RetryPolicy(
+            max_retries=config.max_retries,
+            initial_s=config.backoff_initial_s,
+            max_s=config.backoff_max_s,
+        )
         self._session: aiohttp.ClientSession | None = None
         self._semaphore = asyncio.Semaphore(config.max_concurrency)
         self._in_flight: dict[str, str] = {}  # rid -> url now generating it
@@ -164,83 +158,64 @@ class SGLangClient:
     ) -> Generation:
         prompt = request.prompts[prompt_index]
         seed = request.sample_seed(prompt_index, sample_index)
-        last_error: RolloutError | None = None
-        attempts = self.config.max_retries + 1
         first_server = next(self._next_url)
-        for attempt in range(attempts):
-            if attempt > 0:
-                await asyncio.sleep(
-                    backoff_delay_s(
-                        attempt - 1,
-                        initial_s=self.config.backoff_initial_s,
-                        max_s=self.config.backoff_max_s,
-                    )
-                )
+
+        async def attempt(k: int) -> Any:
             # A fresh rid per attempt: the server may still hold the previous one.
-            rid = f"{batch_id}-p{prompt_index}-s{sample_index}-a{attempt}"
+            rid = f"{batch_id}-p{prompt_index}-s{sample_index}-a{k}"
             payload = build_generate_payload(prompt, request.sampling, rid=rid, seed=seed)
             # Round-robin for the first attempt; each retry moves to the next server.
-            url = self._urls[(first_server + attempt) % len(self._urls)]
-            try:
-                async with self._semaphore:
-                    answer = await self._post_generate(url, payload, rid)
-            except _Retryable as retryable:
-                last_error = retryable.error
-                logger.warning("attempt %d/%d failed: %s", attempt + 1, attempts, last_error)
-                continue
-            result = parse_generate_response(answer)
-            return Generation(
-                prompt_index=prompt_index,
-                sample_index=sample_index,
-                prompt_ids=tuple(prompt),
-                output_ids=result.output_ids,
-                rollout_logprobs=result.logprobs,
-                finish_reason=result.finish_reason,
-                weight_version=result.weight_version,
-            )
-        assert last_error is not None
-        if isinstance(last_error, RolloutHTTPError):
-            raise RolloutHTTPError(
-                url=last_error.url,
-                status=last_error.status,
-                body=last_error.body,
-                attempts=attempts,
-            )
-        raise ServerUnavailableError(f"gave up after {attempts} attempts: {last_error}")
+            url = self._urls[(first_server + k) % len(self._urls)]
+            async with self._semaphore:
+                return await self._post_generate(url, payload, rid)
+
+        try:
+            answer = await http.retrying(attempt, self._retry)
+        except http.HTTPStatusError as err:  # 4xx: the request itself is wrong
+            raise RolloutHTTPError(url=err.url, status=err.status, body=err.body) from err
+        except http.RetriesExhausted as err:
+            raise _gave_up(err) from err
+        result = parse_generate_response(answer)
+        return Generation(
+            prompt_index=prompt_index,
+            sample_index=sample_index,
+            prompt_ids=tuple(prompt),
+            output_ids=result.output_ids,
+            rollout_logprobs=result.logprobs,
+            finish_reason=result.finish_reason,
+            weight_version=result.weight_version,
+        )
 
     async def _post_generate(self, url: str, payload: dict[str, Any], rid: str) -> Any:
-        """One attempt; raises _Retryable, or a final RolloutError."""
-        timeout = aiohttp.ClientTimeout(
-            total=self.config.request_timeout_s, sock_connect=self.config.connect_timeout_s
-        )
+        """One attempt: the decoded answer, or the error that ended it.
+
+        An ``http.RequestError`` goes to the caller's retry loop (which retries
+        all but 4xx); a ``RolloutError`` is final.
+        """
         self._in_flight[rid] = url
         try:
-            async with self._require_session().post(
-                f"{url}/generate", json=payload, timeout=timeout
-            ) as response:
-                text = await response.text()
-                status = response.status
-        except aiohttp.ConnectionTimeoutError as err:
-            raise _Retryable(ServerUnavailableError(f"{url}: connect timed out ({err})")) from err
-        except asyncio.TimeoutError as err:  # builtin TimeoutError only from Python 3.11
+            reply = await http.request(
+                "POST",
+                f"{url}/generate",
+                payload,
+                timeout_s=self.config.request_timeout_s,
+                connect_timeout_s=self.config.connect_timeout_s,
+                session=self._require_session(),
+            )
+        except http.RequestTimedOut as err:
+            # The server may still be generating: stop it there instead of retrying.
             self._abort_in_background(url, rid)
             raise RolloutTimeoutError(
                 f"{url}/generate rid={rid} took longer than "
                 f"request_timeout_s={self.config.request_timeout_s}; asked the server to abort it"
             ) from err
-        except aiohttp.ClientError as err:
-            # Refused, reset, or cut off mid-answer (the server died): try again.
-            raise _Retryable(ServerUnavailableError(f"{url}: {type(err).__name__}: {err}")) from err
         except asyncio.CancelledError:
             self._abort_in_background(url, rid)
             raise
         finally:
             self._in_flight.pop(rid, None)
-        if status >= 500:
-            raise _Retryable(RolloutHTTPError(url=f"{url}/generate", status=status, body=text))
-        if status >= 400:
-            raise RolloutHTTPError(url=f"{url}/generate", status=status, body=text)
-        return _loads(text, f"{url}/generate")
+        reply.raise_for_status()
+        return _json(reply)
 
     # ---- abort ----
 
@@ -407,30 +382,40 @@ class SGLangClient:
         limit = (
             self.config.weight_update_timeout_s if weight_update else self.config.control_timeout_s
         )
-        timeout = aiohttp.ClientTimeout(total=limit, sock_connect=self.config.connect_timeout_s)
         try:
-            async with self._require_session().request(
-                method, f"{url}{path}", json=body, timeout=timeout
-            ) as response:
-                text = await response.text()
-                status = response.status
-                is_json = response.content_type == "application/json"
-        except aiohttp.ConnectionTimeoutError as err:
-            raise ServerUnavailableError(f"{url}{path}: connect timed out ({err})") from err
-        except asyncio.TimeoutError as err:  # builtin TimeoutError only from Python 3.11
+            reply = await http.request(
+                method,
+                f"{url}{path}",
+                body,
+                timeout_s=limit,
+                connect_timeout_s=self.config.connect_timeout_s,
+                session=self._require_session(),
+            )
+        except http.RequestTimedOut as err:
             raise RolloutTimeoutError(f"{url}{path} took longer than {limit} s") from err
-        except aiohttp.ClientError as err:
-            raise ServerUnavailableError(f"{url}{path}: {type(err).__name__}: {err}") from err
-        if status >= 400:
-            raise RolloutHTTPError(url=f"{url}{path}", status=status, body=text)
-        answer = _loads(text, f"{url}{path}") if is_json and text else text
+        except http.RequestError as err:
+            raise ServerUnavailableError(str(err)) from err
+        if reply.status >= 400:
+            raise RolloutHTTPError(url=reply.url, status=reply.status, body=reply.text)
+        is_json = reply.content_type == "application/json"
+        answer = _json(reply) if is_json and reply.text else reply.text
         if isinstance(answer, dict) and answer.get("success") is False:
-            raise RolloutHTTPError(url=f"{url}{path}", status=status, body=text)
+            raise RolloutHTTPError(url=reply.url, status=reply.status, body=reply.text)
         return answer
 
 
-def _loads(text: str, where: str) -> Any:
+def _json(reply: http.Reply) -> Any:
     try:
-        return json.loads(text)
-    except json.JSONDecodeError as err:
-        raise RolloutProtocolError(f"{where} answered non-JSON: {text[:200]!r}") from err
+        return reply.json()
+    except ValueError as err:
+        raise RolloutProtocolError(str(err)) from err
+
+
+def _gave_up(exhausted: http.RetriesExhausted) -> RolloutError:
+    """The error of a request whose every attempt failed, naming how many there were."""
+    last = exhausted.last
+    if isinstance(last, http.HTTPStatusError):
+        return RolloutHTTPError(
+            url=last.url, status=last.status, body=last.body, attempts=exhausted.attempts
+        )
+    return ServerUnavailableError(f"gave up after {exhausted.attempts} attempts: {last}")

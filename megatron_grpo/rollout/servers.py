@@ -26,7 +26,6 @@ lives as long as they should (the main thread).
 from __future__ import annotations
 
 import ctypes
-import json
 import logging
 import os
 import shlex
@@ -35,12 +34,12 @@ import string
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from megatron_grpo import http
 
 logger = logging.getLogger(__name__)
 
@@ -248,7 +247,7 @@ def register_with_router(router_url: str, urls: Sequence[str], *, timeout_s: flo
     while pending:
         try:
             status, body = _http_json("POST", f"{router_url}/workers", {"url": pending[0]})
-        except OSError as err:
+        except http.RequestError as err:
             if time.monotonic() > deadline:
                 raise RouterError(f"{router_url} not reachable after {timeout_s:.0f} s") from err
             time.sleep(0.5)
@@ -311,7 +310,7 @@ class ServerGroup:
         if self.router_url:
             try:
                 deregister_from_router(self.router_url, [p.url for p in self.processes])
-            except (RouterError, OSError) as err:
+            except (RouterError, http.RequestError) as err:
                 logger.warning("could not remove the servers from %s: %s", self.router_url, err)
         for server in self.processes:
             server.stop(self.stop_grace_s)
@@ -357,25 +356,17 @@ def attach_servers(
 
 
 def _http_json(method: str, url: str, body: Any = None, timeout_s: float = 30.0) -> tuple[int, Any]:
-    """(status, decoded JSON or text); a refused connection raises OSError."""
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(
-        url, data=data, method=method, headers={"Content-Type": "application/json"}
-    )
+    """(status, decoded JSON or text); no answer at all raises ``http.RequestError``."""
+    reply = http.run_sync(http.request(method, url, body, timeout_s=timeout_s))
     try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            status, raw = response.status, response.read()
-    except urllib.error.HTTPError as err:
-        status, raw = err.code, err.read()
-    try:
-        return status, json.loads(raw)
-    except json.JSONDecodeError:
-        return status, raw.decode(errors="replace")
+        return reply.status, reply.json()
+    except ValueError:
+        return reply.status, reply.text
 
 
 def _http_ok(url: str, *, timeout_s: float) -> bool:
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as response:
-            return response.status == 200
-    except (OSError, urllib.error.HTTPError):  # refused, reset, timed out, or 5xx while loading
+        reply = http.run_sync(http.request("GET", url, timeout_s=timeout_s))
+    except http.RequestError:  # refused, reset or timed out while loading
         return False
+    return reply.status == 200

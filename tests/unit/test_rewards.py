@@ -1,5 +1,7 @@
 """Reward functions and the scorer: hand-made answers, a local HTTP reward server, errors."""
 
+import asyncio
+import datetime
 import json
 import logging
 import socket
@@ -9,10 +11,12 @@ import time
 from fractions import Fraction
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import aiohttp
 import pytest
 
 from megatron_grpo.rewards import (
     FormatReward,
+    RemoteReward,
     RemoteRewardError,
     RewardConfig,
     RewardError,
@@ -379,3 +383,29 @@ def test_remote_server_down():
     )
     assert result.rewards == [0.0, 0.0] and result.num_errors == 2
     assert all("RemoteRewardError" in e for e in result.errors)
+
+
+def test_remote_metadata_that_json_cannot_hold_goes_as_text(serve):
+    server = serve()
+    scorer = RewardScorer(remote_config(server.url))
+    scorer.score(["abc"], ["abc"], [{"day": datetime.date(2024, 5, 1)}])
+    assert server.requests[0]["metadata"] == {"day": "2024-05-01"}
+
+
+def test_remote_async_scoring_on_one_session(serve):
+    server = serve(fail_first=1)
+    reward = RemoteReward(server.url, field="score", timeout=5.0, retries=1, backoff=0.01)
+
+    async def scenario():
+        async with aiohttp.ClientSession() as session:
+            # answered 500 once, then retried
+            first = await reward.score_async("abc", "abc", {}, session=session)
+            concurrent = await asyncio.gather(
+                *(reward.score_async(r, "bb", {}, session=session) for r in ["a", "bb", "ccc"])
+            )
+            batch = await reward.score_batch_async(["bb", "x"], ["bb", "y"], [{}, {}])
+            return first, concurrent, batch
+
+    first, concurrent, batch = asyncio.run(scenario())
+    assert first == 103.0 and concurrent == [1.0, 102.0, 3.0] and batch == [102.0, 1.0]
+    assert len(server.requests) == 6

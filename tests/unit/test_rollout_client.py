@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import pytest
 from aiohttp import web
 
-from megatron_grpo.rollout.client import ClientConfig, SGLangClient, backoff_delay_s
+from megatron_grpo.rollout.client import ClientConfig, SGLangClient
 from megatron_grpo.rollout.errors import (
     RolloutBatchError,
     RolloutHTTPError,
@@ -91,11 +91,6 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def test_backoff_doubles_up_to_the_cap():
-    delays = [backoff_delay_s(k, initial_s=0.5, max_s=3.0) for k in range(5)]
-    assert delays == [0.5, 1.0, 2.0, 3.0, 3.0]
 
 
 def test_config_rejects_bad_values():
