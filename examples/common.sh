@@ -1,10 +1,12 @@
 # Shared by examples/run_grpo_<model>.sh: paths, checkpoint conversion, SGLang engines, launch.
 #
-# A run script sets MODEL_ARGS (by sourcing examples/models/<model>.sh), HF_NAME (the Hugging
-# Face directory name), TRAIN_NODES, TP, PP, CP, ROLLOUT_ARGS and PERF_ARGS (batch sizes and
-# lengths), ROLLOUT_NODES, SGLANG_TP and SGLANG_ARGS, then sources this file and calls
+# A run script sets HF_NAME (the Hugging Face directory name), TRAIN_NODES, TP, PP, CP,
+# ROLLOUT_ARGS and PERF_ARGS (batch sizes, lengths, params dtype), ROLLOUT_NODES, SGLANG_TP and
+# SGLANG_ARGS, then sources this file and calls
 #   run_recipe "$@"
-# where "$@" is [--dry-run | --rollout] [--set key=value ...]:
+# where "$@" is [--dry-run | --rollout] [--set key=value ...]. The model's architecture is
+# train.init's: the config.json of HF_DIR for the dry run and the conversion, the model.yaml
+# that the conversion writes into MEGATRON_DIR (the same model) for training.
 #   (none)     train: convert the HF checkpoint once (node 0), wait for the SGLang engines
 #              (node 0), then torchrun on this node.
 #   --dry-run  check the layout and memory per GPU at NNODES x GPUS_PER_NODE; starts nothing.
@@ -54,16 +56,13 @@ for _host in ${ROLLOUT_HOSTS//,/ }; do
   done
 done
 
-CKPT_ARGS=(
-  --set train.init="$MEGATRON_DIR"
-  --set tokenizer="$HF_DIR"
-  --set output_dir="$OUTPUT_DIR"
-)
+CKPT_ARGS=(--set tokenizer="$HF_DIR" --set output_dir="$OUTPUT_DIR")
+FROM_HF=(--set train.init="$HF_DIR")
+FROM_MEGATRON=(--set train.init="$MEGATRON_DIR")
 LAYOUT_ARGS=(--set parallel.tp="$TP" --set parallel.pp="$PP" --set parallel.cp="$CP")
 URL_LIST=$(printf '"%s",' "${ROLLOUT_URLS[@]}")
 TRAIN_ARGS=(
   --config "$EXAMPLES/grpo_math.yaml"
-  "${MODEL_ARGS[@]}"
   "${CKPT_ARGS[@]}"
   "${LAYOUT_ARGS[@]}"
   "${PERF_ARGS[@]}"
@@ -74,6 +73,11 @@ TRAIN_ARGS=(
 )
 
 run_recipe() {
+  if [ ! -f "$HF_DIR/config.json" ]; then
+    echo "$HF_DIR/config.json not found: set HF_DIR to the $HF_NAME Hugging Face directory" \
+      "(or MODELS_DIR to the directory that holds it)" >&2
+    exit 1
+  fi
   case "${1:-}" in
     --dry-run) shift && dry_run "$@" ;;
     --rollout) shift && start_engines ;;
@@ -83,7 +87,7 @@ run_recipe() {
 
 dry_run() {
   megatron-grpo train --dry-run --nnodes "$NNODES" --gpus-per-node "$GPUS_PER_NODE" \
-    "${TRAIN_ARGS[@]}" "$@"
+    "${TRAIN_ARGS[@]}" "${FROM_HF[@]}" "$@"
 }
 
 train() {
@@ -95,7 +99,7 @@ train() {
   fi
   torchrun --nnodes "$NNODES" --node_rank "$NODE_RANK" --master_addr "$MASTER_ADDR" \
     --master_port "$MASTER_PORT" --nproc_per_node "$GPUS_PER_NODE" \
-    -m megatron_grpo.cli train "${TRAIN_ARGS[@]}" "$@"
+    -m megatron_grpo.cli train "${TRAIN_ARGS[@]}" "${FROM_MEGATRON[@]}" "$@"
 }
 
 # HF -> megatron, once. Distributed checkpoints load at any layout, so the conversion runs
@@ -105,8 +109,8 @@ convert_checkpoint() {
     return
   fi
   mkdir -p "$OUTPUT_DIR"
-  megatron-grpo config "${TRAIN_ARGS[@]}" "$@" >"$OUTPUT_DIR/recipe.yaml"
-  python tools/convert_hf_to_megatron.py --hf-dir "$HF_DIR" --out "$MEGATRON_DIR" \
+  megatron-grpo config "${TRAIN_ARGS[@]}" "${FROM_HF[@]}" "$@" >"$OUTPUT_DIR/recipe.yaml"
+  megatron-grpo convert hf-to-megatron --hf-dir "$HF_DIR" --out "$MEGATRON_DIR" \
     --tp "$TP" --pp 1 --model-config "$OUTPUT_DIR/recipe.yaml"
 }
 

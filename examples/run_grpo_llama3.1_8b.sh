@@ -2,10 +2,11 @@
 # shellcheck source-path=SCRIPTDIR
 # GRPO on Llama-3.1-8B-Instruct. Training: 8 GPUs (1 x 8) at TP4 x PP1 x DP2.
 # Rollout: 8 SGLang engines at TP1 on 1 more host(s). Steps and paths: docs/recipes.md.
-#   bash examples/run_grpo_llama3.1_8b.sh [--dry-run | --rollout] [--set key=value ...]
+# The architecture comes from the config.json of the model's Hugging Face directory,
+# HF_DIR (default $MODELS_DIR/Llama-3.1-8B-Instruct):
+#   HF_DIR=/path/to/Llama-3.1-8B-Instruct bash examples/run_grpo_llama3.1_8b.sh \
+#     [--dry-run | --rollout] [--set key=value ...]
 set -euo pipefail
-# shellcheck source=models/llama3.1_8b.sh
-source "$(dirname "${BASH_SOURCE[0]}")/models/llama3.1_8b.sh"
 HF_NAME=Llama-3.1-8B-Instruct
 TRAIN_NODES=1 TP=4 PP=1 CP=1
 ROLLOUT_ARGS=(
@@ -15,7 +16,10 @@ ROLLOUT_ARGS=(
   --set data.max_prompt_length=1024
   --set rollout.max_new_tokens=7168
 )
-PERF_ARGS=(--set train.max_tokens_per_micro_batch=8192)
+PERF_ARGS=(
+  --set model.params_dtype=bfloat16
+  --set train.max_tokens_per_micro_batch=8192
+)
 ROLLOUT_NODES=1 SGLANG_TP=1
 SGLANG_ARGS=(--mem-fraction-static 0.85 --dtype bfloat16)
 # shellcheck source=common.sh

@@ -2,10 +2,11 @@
 # shellcheck source-path=SCRIPTDIR
 # GRPO on Qwen2.5-72B-Instruct. Training: 64 GPUs (8 x 8) at TP8 x PP8 x DP1.
 # Rollout: 4 SGLang engines at TP8 on 4 more host(s). Steps and paths: docs/recipes.md.
-#   bash examples/run_grpo_qwen2.5_72b.sh [--dry-run | --rollout] [--set key=value ...]
+# The architecture comes from the config.json of the model's Hugging Face directory,
+# HF_DIR (default $MODELS_DIR/Qwen2.5-72B-Instruct):
+#   HF_DIR=/path/to/Qwen2.5-72B-Instruct bash examples/run_grpo_qwen2.5_72b.sh \
+#     [--dry-run | --rollout] [--set key=value ...]
 set -euo pipefail
-# shellcheck source=models/qwen2.5_72b.sh
-source "$(dirname "${BASH_SOURCE[0]}")/models/qwen2.5_72b.sh"
 HF_NAME=Qwen2.5-72B-Instruct
 TRAIN_NODES=8 TP=8 PP=8 CP=1
 ROLLOUT_ARGS=(
@@ -15,7 +16,10 @@ ROLLOUT_ARGS=(
   --set data.max_prompt_length=1024
   --set rollout.max_new_tokens=3072
 )
-PERF_ARGS=(--set train.max_tokens_per_micro_batch=4096)
+PERF_ARGS=(
+  --set model.params_dtype=bfloat16
+  --set train.max_tokens_per_micro_batch=4096
+)
 ROLLOUT_NODES=4 SGLANG_TP=8
 SGLANG_ARGS=(--mem-fraction-static 0.85 --dtype bfloat16)
 # shellcheck source=common.sh

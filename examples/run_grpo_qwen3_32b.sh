@@ -2,10 +2,11 @@
 # shellcheck source-path=SCRIPTDIR
 # GRPO on Qwen3-32B. Training: 32 GPUs (4 x 8) at TP8 x PP4 x DP1.
 # Rollout: 4 SGLang engines at TP4 on 2 more host(s). Steps and paths: docs/recipes.md.
-#   bash examples/run_grpo_qwen3_32b.sh [--dry-run | --rollout] [--set key=value ...]
+# The architecture comes from the config.json of the model's Hugging Face directory,
+# HF_DIR (default $MODELS_DIR/Qwen3-32B):
+#   HF_DIR=/path/to/Qwen3-32B bash examples/run_grpo_qwen3_32b.sh \
+#     [--dry-run | --rollout] [--set key=value ...]
 set -euo pipefail
-# shellcheck source=models/qwen3_32b.sh
-source "$(dirname "${BASH_SOURCE[0]}")/models/qwen3_32b.sh"
 HF_NAME=Qwen3-32B
 TRAIN_NODES=4 TP=8 PP=4 CP=1
 ROLLOUT_ARGS=(
@@ -15,7 +16,10 @@ ROLLOUT_ARGS=(
   --set data.max_prompt_length=1024
   --set rollout.max_new_tokens=7168
 )
-PERF_ARGS=(--set train.max_tokens_per_micro_batch=8192)
+PERF_ARGS=(
+  --set model.params_dtype=bfloat16
+  --set train.max_tokens_per_micro_batch=8192
+)
 ROLLOUT_NODES=2 SGLANG_TP=4
 SGLANG_ARGS=(--mem-fraction-static 0.85 --dtype bfloat16)
 # shellcheck source=common.sh

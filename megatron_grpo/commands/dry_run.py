@@ -38,7 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_grpo.config import Config, ModelConfig, ParallelDims
-from megatron_grpo.convert.hf_config import head_dim, query_groups
+from megatron_grpo.config.hf import head_dim, query_groups
 from megatron_grpo.convert.sharding import chunk_layer_range
 
 GIB = 1 << 30

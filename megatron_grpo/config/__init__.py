@@ -1,9 +1,12 @@
 """The run's configuration: typed sections, loaded from YAML with dotted overrides.
 
 ``load_config(path, overrides)`` reads a YAML file, applies ``key=value``
-overrides (``optim.lr=1e-6``) and builds ``Config``; every section is a
-keyword-only dataclass with a docstring per field, checked when built:
-- ``model``, ``parallel``: config/model.py
+overrides (``optim.lr=1e-6``), takes the model's architecture from
+``train.init`` when that checkpoint names it (config/init_model.py) and builds
+``Config``; every section is a keyword-only dataclass with a docstring per
+field, checked when built:
+- ``model``, ``parallel``: config/model.py; the model from a Hugging Face
+  ``config.json``: config/hf.py
 - ``optim``, ``loss``, ``train``: config/learner.py
 - ``rollout``, ``data``, ``reward``, ``advantages``: config/rollout.py
 - ``metrics`` and the run as a whole: here.
@@ -15,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megatron_grpo.config.init_model import fill_model_section
 from megatron_grpo.config.learner import (
     MODES,
     LossConfig,
@@ -122,8 +126,14 @@ class Config:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Config from a YAML file (or the defaults) and dotted ``key=value`` overrides."""
+    """Config from a YAML file (or the defaults) and dotted ``key=value`` overrides.
+
+    The model's architecture comes from ``train.init`` when that is a Hugging
+    Face directory or a converted megatron checkpoint; model fields given as
+    well must agree with it (``init_model.fill_model_section``).
+    """
     raw: dict[str, Any] = read_yaml(path) if path is not None else {}
     for item in overrides or []:
         apply_override(raw, item)
+    fill_model_section(raw)
     return from_dict(Config, raw)

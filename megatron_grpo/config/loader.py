@@ -2,7 +2,8 @@
 
 ``from_dict(cls, raw)`` builds dataclass ``cls`` from a nested dict. An
 unknown key, a value of the wrong type, or an invalid value is a
-``ValueError`` that names the key. ``apply_override`` applies a dotted
+``ValueError`` that names the key (``convert_fields`` checks and converts
+without building). ``apply_override`` applies a dotted
 ``key=value`` (``optim.lr=1e-6``) to the nested dict first.
 """
 
@@ -45,6 +46,15 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
 
 def from_dict(cls: type, raw: Any, *, prefix: str = "") -> Any:
     """Build dataclass ``cls`` from a dict, checking keys and value types."""
+    kwargs = convert_fields(cls, raw, prefix=prefix)
+    try:
+        return cls(**kwargs)
+    except TypeError as e:  # a required field is missing
+        raise ValueError(f"{prefix.rstrip('.') or 'config'}: {e}") from None
+
+
+def convert_fields(cls: type, raw: Any, *, prefix: str = "") -> dict[str, Any]:
+    """The values of ``raw`` as the types of dataclass ``cls``'s fields, without building it."""
     where = prefix.rstrip(".") or "config"
     if not isinstance(raw, dict):
         raise ValueError(f"{where} must be a mapping, got {type(raw).__name__}")
@@ -58,11 +68,7 @@ def from_dict(cls: type, raw: Any, *, prefix: str = "") -> Any:
         raise ValueError(
             f"unknown config key '{key}' (known keys in {where}: {', '.join(sorted(fields))})"
         )
-    kwargs = {name: _convert(hints[name], value, f"{prefix}{name}") for name, value in raw.items()}
-    try:
-        return cls(**kwargs)
-    except TypeError as e:  # a required field is missing
-        raise ValueError(f"{where}: {e}") from None
+    return {name: _convert(hints[name], value, f"{prefix}{name}") for name, value in raw.items()}
 
 
 def _convert(tp: Any, value: Any, key: str) -> Any:

@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+HFFamily = Literal["llama", "qwen2", "qwen3"]
+"""The Hugging Face families the model can be built as (``model_type`` of their config)."""
+
 
 @dataclass(kw_only=True)
 class ModelConfig:
@@ -46,7 +49,7 @@ class ModelConfig:
     """Standard deviation of the weight initialization."""
     params_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Parameter and activation dtype."""
-    hf_family: Literal["llama", "qwen2", "qwen3"] = "qwen2"
+    hf_family: HFFamily = "qwen2"
     """Hugging Face architecture the weights map to (weight sync, export)."""
 
     def __post_init__(self) -> None:

@@ -1,6 +1,7 @@
 """Hugging Face <-> megatron-core weight mapping: pure functions on full (TP=1) tensors.
 
-- ``hf_config``: which HF families are supported, and ModelConfig <-> HF config.
+- ``hf_config``: the transformers config of a ``ModelConfig`` (the export direction;
+  reading an HF ``config.json`` into a ``ModelConfig`` is ``megatron_grpo.config.hf``).
 - ``layout``: tensor re-layouts (fused QKV, fused gate/up, vocab padding).
 - ``weights``: parameter names and layer-by-layer conversion of full tensors.
 - ``sharding``: TP shards of full tensors and the PP layer split.

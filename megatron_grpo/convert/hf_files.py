@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from megatron_grpo.config import ModelConfig
-from megatron_grpo.convert.hf_config import check_hf_config, family_of, get_family
+from megatron_grpo.config.hf import check_hf_config, family_of, get_family, read_hf_config
 from megatron_grpo.convert.weights import (
     HF_EMBEDDING,
     HF_FINAL_NORM,
@@ -66,14 +66,6 @@ _GLOBAL_HF_NAMES = {
     MEGATRON_FINAL_NORM: HF_FINAL_NORM,
     MEGATRON_OUTPUT: HF_OUTPUT,
 }
-
-
-def read_hf_config(hf_dir: str | Path) -> dict[str, Any]:
-    """The ``config.json`` of ``hf_dir`` as a dict (no transformers import, no remote code)."""
-    path = Path(hf_dir, "config.json")
-    if not path.is_file():
-        raise FileNotFoundError(f"{hf_dir} has no config.json")
-    return json.loads(path.read_text())
 
 
 class HFCheckpoint:

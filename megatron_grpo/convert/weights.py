@@ -20,13 +20,7 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from megatron_grpo.config import ModelConfig
-from megatron_grpo.convert.hf_config import (
-    Family,
-    check_family,
-    get_family,
-    head_dim,
-    query_groups,
-)
+from megatron_grpo.config.hf import Family, check_family, get_family, head_dim, query_groups
 from megatron_grpo.convert.layout import (
     fuse_gate_up,
     fuse_qkv,

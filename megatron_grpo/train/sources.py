@@ -2,25 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from megatron_grpo.config import Config
+from megatron_grpo.config.init_model import init_kind
 from megatron_grpo.mcore import checkpoint
 from megatron_grpo.mcore.parallel import ParallelContext
-
-
-def init_kind(path: str) -> str:
-    p = Path(path)
-    if (p / "metadata.json").exists():
-        return "megatron"
-    if (p / "config.json").exists():
-        return "hf"
-    raise FileNotFoundError(
-        f"train.init={path!r} is neither a megatron checkpoint (metadata.json) "
-        "nor a Hugging Face model directory (config.json)"
-    )
 
 
 def load_initial_weights(model: list, cfg: Config, ctx: ParallelContext) -> None:
@@ -33,7 +20,7 @@ def load_initial_weights(model: list, cfg: Config, ctx: ParallelContext) -> None
         return
     import transformers
 
-    from megatron_grpo.convert.hf_config import check_hf_config
+    from megatron_grpo.config.hf import check_hf_config
     from megatron_grpo.convert.hf_files import HFCheckpoint, MegatronView
     from megatron_grpo.mcore.full_state import load_full_state
 

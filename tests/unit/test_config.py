@@ -1,6 +1,13 @@
+import ast
+import dataclasses
+import json
+from pathlib import Path
+
 import pytest
 
-from megatron_grpo.config import Config, ParallelDims, dump_config, load_config
+from megatron_grpo.config import Config, ModelConfig, ParallelDims, dump_config, load_config
+from megatron_grpo.config.hf import check_hf_config, model_config_from_hf
+from megatron_grpo.config.init_model import MODEL_CONFIG_FILE, init_kind
 
 
 def write(tmp_path, text):
@@ -61,3 +68,149 @@ def test_layout_validation_names_the_cause():
         ParallelDims(tp=4).validate_model(num_layers=2, num_attention_heads=8, num_query_groups=2)
     with pytest.raises(ValueError, match=r"parallel\.tp must be >= 1"):
         ParallelDims(tp=0)
+
+
+# --------------------------------------------------------------------------- model from train.init
+
+HF_CONFIGS = Path(__file__).resolve().parents[1] / "fixtures" / "hf_configs"
+QWEN3_8B = json.loads((HF_CONFIGS / "qwen3_8b" / "config.json").read_text())
+
+
+def hf_dir(tmp_path, config=QWEN3_8B, name="Qwen3-8B"):
+    """A Hugging Face directory that holds only ``config``."""
+    path = tmp_path / name
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def test_model_comes_from_the_hf_config(tmp_path):
+    path = write(tmp_path, "model:\n  params_dtype: bfloat16\n  make_vocab_size_divisible_by: 64\n")
+    cfg = load_config(path, [f"train.init={hf_dir(tmp_path)}"])
+    m = cfg.model
+    assert (m.num_layers, m.hidden_size, m.ffn_hidden_size) == (36, 4096, 12288)
+    assert (m.num_attention_heads, m.num_query_groups, m.head_dim) == (32, 8, 128)
+    assert (m.vocab_size, m.max_position_embeddings) == (151936, 40960)
+    assert (m.rotary_base, m.rope_scaling_factor, m.norm_epsilon) == (1e6, None, 1e-6)
+    assert (m.add_qkv_bias, m.qk_layernorm, m.tie_embeddings) == (False, True, False)
+    assert m.hf_family == "qwen3"
+    # training-only fields are the config's
+    assert (m.params_dtype, m.make_vocab_size_divisible_by) == ("bfloat16", 64)
+    assert m.init_method_std == ModelConfig().init_method_std
+
+
+def test_resolved_config_from_an_hf_directory_round_trips(tmp_path):
+    cfg = load_config(None, [f"train.init={hf_dir(tmp_path)}"])
+    assert load_config(write(tmp_path, dump_config(cfg))) == cfg
+
+
+def test_overrides_that_agree_are_accepted(tmp_path):
+    path = write(tmp_path, "model:\n  num_layers: 36\n  norm_epsilon: 1e-6\n  hf_family: qwen3\n")
+    overrides = [
+        f"train.init={hf_dir(tmp_path)}",
+        "model.rotary_base=1000000",
+        "model.head_dim=128",
+    ]
+    assert load_config(path, overrides).model.num_layers == 36
+
+
+def test_overrides_that_disagree_are_named_in_one_error(tmp_path):
+    path = write(tmp_path, "model:\n  num_layers: 32\n  params_dtype: bfloat16\n")
+    directory = hf_dir(tmp_path)
+    overrides = [f"train.init={directory}", "model.rotary_base=10000", "model.qk_layernorm=false"]
+    with pytest.raises(ValueError) as err:
+        load_config(path, overrides)
+    assert str(err.value) == (
+        f"model section does not match {directory}/config.json: "
+        "model.num_layers=32 but num_hidden_layers=36; "
+        "model.rotary_base=10000.0 but rope_theta=1000000.0; "
+        "model.qk_layernorm=False but qk norm (q_norm/k_norm, Qwen3)=True"
+    )
+
+
+def test_a_missing_config_json_key_is_named(tmp_path):
+    config = {k: v for k, v in QWEN3_8B.items() if k not in ("num_hidden_layers", "rms_norm_eps")}
+    directory = hf_dir(tmp_path, config)
+    with pytest.raises(ValueError) as err:
+        load_config(None, [f"train.init={directory}"])
+    assert str(err.value) == (
+        f"{directory}/config.json: HF config has no num_hidden_layers, rms_norm_eps"
+    )
+
+
+def test_an_unsupported_hf_config_is_refused_by_name(tmp_path):
+    directory = hf_dir(tmp_path, QWEN3_8B | {"architectures": ["MistralForCausalLM"]})
+    with pytest.raises(ValueError, match=r"config\.json: unsupported architecture 'Mistral"):
+        load_config(None, [f"train.init={directory}"])
+
+
+def test_transformers_5_rope_parameters(tmp_path):
+    llama = json.loads((HF_CONFIGS / "llama3.1_8b" / "config.json").read_text())
+    scaling = llama.pop("rope_scaling")
+    legacy = load_config(
+        None, [f"train.init={hf_dir(tmp_path, llama | {'rope_scaling': scaling})}"]
+    )
+    llama.pop("rope_theta")
+    llama["rope_parameters"] = scaling | {"rope_theta": 500000.0}
+    cfg = load_config(None, [f"train.init={hf_dir(tmp_path, llama, 'v5')}"])
+    assert (cfg.model.rotary_base, cfg.model.rope_scaling_factor) == (500000.0, 8.0)
+    assert cfg.model == legacy.model
+
+
+def test_converted_megatron_checkpoint_gives_its_model(tmp_path):
+    from_hf = load_config(None, [f"train.init={hf_dir(tmp_path)}"]).model
+    megatron = tmp_path / "Qwen3-8B-megatron"
+    megatron.mkdir()
+    (megatron / "metadata.json").write_text("{}")
+    (megatron / MODEL_CONFIG_FILE).write_text(dump_config(from_hf))  # params_dtype float32
+    cfg = load_config(None, [f"train.init={megatron}", "model.params_dtype=bfloat16"])
+    assert cfg.model == dataclasses.replace(from_hf, params_dtype="bfloat16")
+    with pytest.raises(ValueError) as err:
+        load_config(None, [f"train.init={megatron}", "model.num_layers=3", "model.vocab_size=8"])
+    assert str(err.value) == (
+        f"model section does not match {megatron}/{MODEL_CONFIG_FILE}: "
+        "model.num_layers=3 but num_layers=36; model.vocab_size=8 but vocab_size=151936"
+    )
+
+
+def test_other_train_init_keeps_the_model_section_and_its_error(tmp_path):
+    megatron = tmp_path / "trained"  # a checkpoint saved by training: no model.yaml
+    megatron.mkdir()
+    (megatron / "metadata.json").write_text("{}")
+    assert load_config(None, [f"train.init={megatron}", "model.num_layers=4"]).model.num_layers == 4
+    assert init_kind(str(megatron)) == "megatron"
+    neither = tmp_path / "nothing"
+    cfg = load_config(None, [f"train.init={neither}", "model.num_layers=4"])
+    assert cfg.model.num_layers == 4
+    with pytest.raises(FileNotFoundError) as err:
+        init_kind(str(neither))
+    assert str(err.value) == (
+        f"train.init={str(neither)!r} is neither a megatron checkpoint (metadata.json) "
+        "nor a Hugging Face model directory (config.json)"
+    )
+
+
+def test_check_hf_config_names_every_field():
+    model = dataclasses.replace(model_config_from_hf(QWEN3_8B), num_layers=3, vocab_size=8)
+    with pytest.raises(ValueError) as err:
+        check_hf_config(QWEN3_8B, model)
+    assert str(err.value) == (
+        "HF config does not match the model: num_hidden_layers=36 but model.num_layers=3; "
+        "vocab_size=151936 but model.vocab_size=8"
+    )
+
+
+def test_config_imports_nothing_above_it():
+    """config/ is the bottom floor: the rest of the package imports it, never the reverse."""
+    config_dir = Path(__file__).resolve().parents[2] / "megatron_grpo" / "config"
+    for path in config_dir.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                modules = [node.module or ""]
+            elif isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            else:
+                continue
+            for module in modules:
+                if module.startswith("megatron_grpo"):
+                    assert module.startswith("megatron_grpo.config"), f"{path.name}: {module}"

@@ -1,6 +1,5 @@
 """The dry run's arithmetic: parameter counts by hand and against known models, memory, refusals."""
 
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -20,6 +19,7 @@ from megatron_grpo.commands.dry_run import (
 from megatron_grpo.config import ParallelDims, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
+HF_CONFIGS = ROOT / "tests" / "fixtures" / "hf_configs"
 
 # The CPU demo's model: h=64, f=128, 4 heads of 16 channels, 2 query groups, 15 tokens.
 TINY = [
@@ -37,16 +37,9 @@ TINY = [
 TINY_LAYER = 8192 + 128 + 4096 + 16384 + 8192 + 128
 
 
-def model_args(name: str) -> list[str]:
-    """The --set values of examples/models/<name>.sh."""
-    out = subprocess.run(
-        ["bash", "-c", f'source examples/models/{name}.sh && printf "%s\\n" "${{MODEL_ARGS[@]}}"'],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.split()
-    return [a for a in out if a != "--set"]
+def from_hf(name: str) -> list[str]:
+    """Overrides that start from the recipe model's config.json (tests/fixtures/hf_configs)."""
+    return [f"train.init={HF_CONFIGS / name}", "model.params_dtype=bfloat16"]
 
 
 def test_tiny_layer_and_total_by_hand():
@@ -111,11 +104,42 @@ def test_total_matches_the_hugging_face_model(family, tie):
     ],
 )
 def test_total_of_known_models(name, known):
-    assert total_params(load_config(None, model_args(name)).model) == known
+    assert total_params(load_config(None, from_hf(name)).model) == known
+
+
+# Qwen3-8B's architecture written out by hand from its config.json on the Hub.
+QWEN3_8B_BY_HAND = [
+    "model.num_layers=36",
+    "model.hidden_size=4096",
+    "model.ffn_hidden_size=12288",
+    "model.num_attention_heads=32",
+    "model.num_query_groups=8",
+    "model.head_dim=128",
+    "model.vocab_size=151936",
+    "model.max_position_embeddings=40960",
+    "model.rotary_base=1000000",
+    "model.norm_epsilon=1e-6",
+    "model.add_qkv_bias=false",
+    "model.qk_layernorm=true",
+    "model.tie_embeddings=false",
+    "model.params_dtype=bfloat16",
+    "model.hf_family=qwen3",
+]
+
+
+def test_report_from_the_hf_directory_is_the_report_by_hand():
+    layout = ["parallel.tp=4", "train.max_tokens_per_micro_batch=8192"]
+    by_hand = dry_run(load_config(None, QWEN3_8B_BY_HAND + layout), world_size=8)
+    from_dir = dry_run(load_config(None, from_hf("qwen3_8b") + layout), world_size=8)
+    assert from_dir.format() == by_hand.format()
+    assert from_dir.cfg.model == by_hand.cfg.model
+    # the same numbers given as overrides agree with config.json
+    both = load_config(None, from_hf("qwen3_8b") + QWEN3_8B_BY_HAND + layout)
+    assert both.model == by_hand.cfg.model
 
 
 def test_stages_sum_to_the_model_at_tp1():
-    cfg = load_config(None, model_args("qwen3_8b") + ["parallel.pp=4"])
+    cfg = load_config(None, from_hf("qwen3_8b") + ["parallel.pp=4"])
     assert sum(s.total for s in stage_params(cfg.model, cfg.parallel)) == 8_190_735_360
 
 
@@ -181,7 +205,7 @@ def test_invalid_layouts_name_the_reason():
 
 
 def test_too_big_is_refused_with_what_to_change():
-    cfg = load_config(None, model_args("qwen3_8b"))
+    cfg = load_config(None, from_hf("qwen3_8b"))
     report = dry_run(cfg, world_size=8, gpu_memory_gb=80)
     assert not report.fits
     msg = report.refusal()
@@ -208,7 +232,7 @@ def test_cli_exit_codes_and_no_process_group(capsys):
     assert "layout: DP=2 TP=1 PP=1 CP=1" in out and "verdict: fits" in out
     assert not dist.is_initialized()
 
-    big = [f"--set={o}" for o in model_args("qwen3_8b")]
+    big = [f"--set={o}" for o in from_hf("qwen3_8b")]
     assert cli.main(["train", *big, "--dry-run", "--nnodes", "1"]) == 2
     captured = capsys.readouterr()
     assert "verdict: DOES NOT FIT" in captured.out

@@ -15,11 +15,8 @@ import torch
 import transformers
 
 from megatron_grpo.config import ModelConfig
-from megatron_grpo.convert.hf_config import (
-    check_hf_config,
-    hf_config_from_model_config,
-    model_config_from_hf,
-)
+from megatron_grpo.config.hf import check_hf_config, model_config_from_hf
+from megatron_grpo.convert.hf_config import hf_config_from_model_config
 from megatron_grpo.convert.layout import fuse_qkv, split_qkv
 from megatron_grpo.convert.sharding import (
     chunk_layer_range,

@@ -1,23 +1,29 @@
-"""The recipes: model files hold only MODEL_ARGS, and every run script's dry run passes.
+"""The recipes: run scripts that take the model from its Hugging Face directory.
 
-Each run script is run with ``--dry-run`` by bash, with a stand-in ``megatron-grpo`` on PATH
+Each run script is run by bash with a stand-in ``megatron-grpo`` (or ``torchrun``) on PATH
 that records its arguments; the recorded command is then run in this process (one torch
-import for all recipes). One recipe also runs end to end through the real command.
+import for all recipes). The HF directory of every recipe is a fixture that holds only the
+model's config.json (tests/fixtures/hf_configs/<recipe>/). One recipe also runs end to end
+through the real command.
 """
 
 import os
 import re
 import subprocess
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
 from megatron_grpo import cli
-from megatron_grpo.config import load_config
-from megatron_grpo.convert.hf_config import check_family, get_family
+from megatron_grpo.commands.dry_run import dry_run, resolve_world_size, total_params
+from megatron_grpo.config import dump_config, load_config
+from megatron_grpo.config.hf import check_family, family_of, get_family, read_hf_config
+from megatron_grpo.config.init_model import MODEL_CONFIG_FILE
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
+HF_CONFIGS = ROOT / "tests" / "fixtures" / "hf_configs"
 MODELS = {
     "qwen3_0.6b": "qwen3",
     "qwen3_1.7b": "qwen3",
@@ -34,23 +40,148 @@ MODELS = {
 LAYOUT_VARS = ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "GPUS_PER_NODE")
 
 
+class Figures(NamedTuple):
+    total_params: int
+    params_per_gpu: tuple[int, ...]
+    """Per pipeline stage."""
+    memory_per_gpu: tuple[int, ...]
+    """Per pipeline stage, bytes (rounded)."""
+
+
+# The dry-run figures of every recipe at its own world size with the architecture written out
+# by hand, as --set model.* overrides of each number in the model's config.json on the Hub.
+HAND_WRITTEN = {
+    "qwen3_0.6b": Figures(
+        596_049_920,
+        (596_049_920,),
+        (48_850_927_616,),
+    ),
+    "qwen3_1.7b": Figures(
+        1_720_574_976,
+        (860_480_512,),
+        (42_175_956_992,),
+    ),
+    "qwen3_4b": Figures(
+        4_022_468_096,
+        (1_005_846_016,),
+        (41_697_139_712,),
+    ),
+    "qwen3_8b": Figures(
+        8_190_735_360,
+        (2_048_177_152,),
+        (65_215_440_896,),
+    ),
+    "qwen3_14b": Figures(
+        14_768_307_200,
+        (1_846_359_040, 1_846_364_160),
+        (63_614_330_880, 56_714_530_816),
+    ),
+    "qwen3_32b": Figures(
+        32_762_123_264,
+        (1_072_992_256, 975_343_616, 975_343_616, 1_072_997_376),
+        (59_864_391_680, 49_311_260_672, 40_515_805_184, 36_290_398_208),
+    ),
+    "qwen2.5_7b": Figures(
+        7_615_616_512,
+        (1_904_057_344,),
+        (59_287_992_320,),
+    ),
+    "qwen2.5_32b": Figures(
+        32_763_876_352,
+        (1_073_002_496, 975_353_856, 975_353_856, 1_073_007_616),
+        (58_650_324_992, 48_400_756_736, 39_908_864_000, 35_987_019_776),
+    ),
+    "qwen2.5_72b": Figures(
+        72_706_203_648,
+        (
+            1_253_487_104,
+            1_097_249_280,
+            1_097_249_280,
+            1_097_249_280,
+            1_097_249_280,
+            1_097_249_280,
+            1_097_249_280,
+            1_253_495_296,
+        ),
+        (
+            58_193_380_352,
+            51_598_361_600,
+            47_815_623_680,
+            44_032_885_760,
+            40_250_147_840,
+            36_467_409_920,
+            32_684_672_000,
+            33_120_502_784,
+        ),
+    ),
+    "llama3.1_8b": Figures(
+        8_030_261_248,
+        (2_008_289_280,),
+        (61_833_027_584,),
+    ),
+    "llama3.1_70b": Figures(
+        70_553_706_496,
+        (
+            1_201_831_936,
+            1_069_711_360,
+            1_069_711_360,
+            1_069_711_360,
+            1_069_711_360,
+            1_069_711_360,
+            1_069_711_360,
+            1_201_840_128,
+        ),
+        (
+            57_043_386_368,
+            50_910_003_200,
+            47_154_790_400,
+            43_399_577_600,
+            39_644_364_800,
+            35_889_152_000,
+            32_133_939_200,
+            31_946_129_408,
+        ),
+    ),
+}
+
+
+# The hand-written numbers that do not change the figures, shared by each family's models:
+# (max_position_embeddings, rotary_base, rope_scaling_factor, norm_epsilon).
+HAND_WRITTEN_ROPE_AND_NORM = {
+    "qwen3": (40960, 1e6, None, 1e-6),
+    "qwen2": (32768, 1e6, None, 1e-6),
+    "llama": (131072, 5e5, 8.0, 1e-5),
+}
+
+
 def clean_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in LAYOUT_VARS}
     return {**env, **extra}
 
 
-def recorded_dry_run(tmp_path: Path, recipe: str, *args: str, **env: str) -> list[str]:
-    """The megatron-grpo arguments ``run_grpo_<recipe>.sh --dry-run`` passes."""
-    shim = tmp_path / "megatron-grpo"
+def recording(tmp_path: Path, command: str) -> Path:
+    """A stand-in ``command`` on PATH in ``tmp_path`` that writes its arguments to ``args``."""
+    shim = tmp_path / command
     shim.write_text('#!/bin/sh\nprintf "%s\\0" "$@" > "$ARGS_OUT"\n')
     shim.chmod(0o755)
-    out = tmp_path / "args"
+    return tmp_path / "args"
+
+
+def run_script(tmp_path: Path, recipe: str, *args: str, **env: str) -> list[str]:
+    """Run ``run_grpo_<recipe>.sh`` with the recipe's HF directory; the recorded arguments."""
+    out = recording(tmp_path, "megatron-grpo" if "--dry-run" in args else "torchrun")
+    env = {"HF_DIR": str(HF_CONFIGS / recipe), **env}
     subprocess.run(
-        ["bash", str(EXAMPLES / f"run_grpo_{recipe}.sh"), "--dry-run", *args],
+        ["bash", str(EXAMPLES / f"run_grpo_{recipe}.sh"), *args],
         env=clean_env(PATH=f"{tmp_path}:{os.environ['PATH']}", ARGS_OUT=str(out), **env),
         check=True,
     )
     return out.read_text().split("\0")[:-1]
+
+
+def recorded_dry_run(tmp_path: Path, recipe: str, *args: str, **env: str) -> list[str]:
+    """The megatron-grpo arguments ``run_grpo_<recipe>.sh --dry-run`` passes."""
+    return run_script(tmp_path, recipe, "--dry-run", *args, **env)
 
 
 def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
@@ -64,37 +195,81 @@ def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
     return code, captured.out, captured.err
 
 
-def test_every_model_has_a_model_file_and_a_run_script():
-    assert sorted(p.stem for p in (EXAMPLES / "models").glob("*.sh")) == sorted(MODELS)
+def load_train_config(argv: list[str]):
+    args = cli.build_parser().parse_args(argv)
+    return args, load_config(args.config, args.overrides)
+
+
+def test_every_model_has_a_run_script_and_an_hf_config():
     scripts = sorted(p.stem.removeprefix("run_grpo_") for p in EXAMPLES.glob("run_grpo_*.sh"))
     assert scripts == sorted([*MODELS, "cpu_tiny"])
+    assert sorted(p.name for p in HF_CONFIGS.iterdir()) == sorted(MODELS)
+    assert not (EXAMPLES / "models").exists()
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
-def test_model_file_holds_only_model_args(name):
-    lines = (EXAMPLES / "models" / f"{name}.sh").read_text().splitlines()
-    body = [line for line in lines if line.strip() and not line.startswith("#")]
-    assert body[0] == "MODEL_ARGS=(" and body[-1] == ")"
-    assert all(re.fullmatch(r"  --set (model|train)\.\w+=\S+", line) for line in body[1:-1])
-    overrides = [line.split()[1] for line in body[1:-1]]
-    cfg = load_config(None, overrides)
-    assert cfg.model.hf_family == MODELS[name]
-    check_family(cfg.model, get_family(MODELS[name]))
-    assert cfg.model.params_dtype == "bfloat16"
-    assert any(line.startswith("# Qwen") or line.startswith("# Llama") for line in lines)
-    assert "config.json" in "\n".join(lines)  # where the numbers come from
+def test_hf_config_fixture_is_a_real_config_of_its_family(name):
+    hf_config = read_hf_config(HF_CONFIGS / name)
+    family = get_family(MODELS[name])
+    assert hf_config["architectures"] == [family.architecture]
+    assert hf_config["model_type"] == family.model_type
+    assert family_of(hf_config) == family
+    m = load_config(None, [f"train.init={HF_CONFIGS / name}"]).model
+    assert m.hf_family == MODELS[name]
+    check_family(m, family)
+    rope_and_norm = (m.max_position_embeddings, m.rotary_base, m.rope_scaling_factor)
+    assert rope_and_norm + (m.norm_epsilon,) == HAND_WRITTEN_ROPE_AND_NORM[MODELS[name]]
 
 
 @pytest.mark.parametrize("recipe", sorted(MODELS))
-def test_recipe_dry_run_fits_at_its_world_size(recipe, tmp_path, capsys):
+def test_recipe_dry_run_gives_the_hand_written_figures(recipe, tmp_path, capsys):
     script = (EXAMPLES / f"run_grpo_{recipe}.sh").read_text()
+    assert "model.num_layers" not in script and "MODEL_ARGS" not in script
     nodes = int(re.search(r"TRAIN_NODES=(\d+)", script).group(1))
     argv = recorded_dry_run(tmp_path, recipe)
     assert argv[:6] == ["train", "--dry-run", "--nnodes", str(nodes), "--gpus-per-node", "8"]
+    assert f"train.init={HF_CONFIGS / recipe}" in argv
+    assert [a for a in argv if a.startswith("model.")] == ["model.params_dtype=bfloat16"]
+    args, cfg = load_train_config(argv)
+    report = dry_run(cfg, world_size=resolve_world_size(None, args.nnodes, args.gpus_per_node)[0])
+    figures = Figures(
+        total_params(cfg.model),
+        tuple(p.total for p in report.params),
+        tuple(round(m.total) for m in report.memory),
+    )
+    assert figures == HAND_WRITTEN[recipe]
     code, out, err = run_cli(argv, capsys)
     assert code == 0, err
     assert f"dry run: {8 * nodes} GPUs" in out
     assert "verdict: fits" in out
+
+
+def test_recipe_trains_from_the_converted_checkpoint_with_the_same_model(tmp_path):
+    hf_dir = HF_CONFIGS / "qwen3_8b"
+    _, dry = load_train_config(recorded_dry_run(tmp_path, "qwen3_8b"))
+    megatron_dir = tmp_path / "Qwen3-8B-megatron"  # as the conversion leaves it
+    megatron_dir.mkdir()
+    (megatron_dir / "metadata.json").write_text("{}")
+    (megatron_dir / MODEL_CONFIG_FILE).write_text(dump_config(dry.model))
+    recording(tmp_path, "curl")  # every engine answers /health
+    env = {"MEGATRON_DIR": str(megatron_dir), "OUTPUT_DIR": str(tmp_path / "out")}
+    argv = run_script(tmp_path, "qwen3_8b", **env)
+    train_argv = argv[argv.index("megatron_grpo.cli") + 1 :]
+    assert f"train.init={megatron_dir}" in train_argv and f"tokenizer={hf_dir}" in train_argv
+    _, cfg = load_train_config(train_argv)
+    assert cfg.model == dry.model
+    assert cfg.model.num_layers == 36 and cfg.model.params_dtype == "bfloat16"
+
+
+def test_recipe_without_its_hf_directory_says_what_to_set(tmp_path):
+    done = subprocess.run(
+        ["bash", str(EXAMPLES / "run_grpo_qwen3_8b.sh"), "--dry-run"],
+        env=clean_env(MODELS_DIR=str(tmp_path)),
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 1
+    assert f"{tmp_path}/Qwen3-8B/config.json not found: set HF_DIR" in done.stderr
 
 
 def test_recipe_layout_follows_the_environment(tmp_path, capsys):
@@ -112,6 +287,14 @@ def test_broken_recipe_names_the_reason(tmp_path, capsys):
     assert "model.num_attention_heads=28 is not divisible by TP=8" in err
 
 
+def test_recipe_override_that_disagrees_with_config_json_is_refused(tmp_path, capsys):
+    argv = recorded_dry_run(tmp_path, "qwen3_8b", "--set", "model.num_layers=32")
+    code, _, err = run_cli(argv, capsys)
+    assert code == 2
+    assert f"model section does not match {HF_CONFIGS / 'qwen3_8b'}/config.json" in err
+    assert "model.num_layers=32 but num_hidden_layers=36" in err
+
+
 def test_recipe_too_big_for_80gb_is_refused(tmp_path, capsys):
     argv = recorded_dry_run(tmp_path, "qwen3_32b", "--set", "parallel.pp=1")
     code, out, err = run_cli(argv, capsys)
@@ -125,9 +308,10 @@ def test_run_script_dry_run_end_to_end():
     ok = subprocess.run(
         ["bash", "examples/run_grpo_qwen3_8b.sh", "--dry-run"],
         cwd=ROOT,
-        env=clean_env(),
+        env=clean_env(HF_DIR=str(HF_CONFIGS / "qwen3_8b")),
         capture_output=True,
         text=True,
     )
     assert ok.returncode == 0, ok.stderr
     assert "layout: DP=2 TP=4 PP=1 CP=1" in ok.stdout and "verdict: fits" in ok.stdout
+    assert "model: 8.191B parameters, 36 layers, vocabulary 151936" in ok.stdout
