@@ -17,6 +17,6 @@ if ! python -c "import torch" 2>/dev/null; then
   python -m pip install --quiet "${TORCH_SPEC:-torch==2.13.0}"
 fi
 python -m pip install --quiet -e ".[test]"
-# SGLang's own msgspec contract (api_types.py) validates our client and embedded server;
-# only that file is used, so the package goes in without its (GPU) dependencies.
-python -m pip install --quiet --no-deps "sglang==0.5.23"
+# SGLang's own msgspec contract (api_types.py) validates our client and embedded server.
+# Only that file is kept, under $VENV/share: sglang itself lives in .venv-sglang.
+python -m megatron_grpo.testing.sglang_contract >/dev/null

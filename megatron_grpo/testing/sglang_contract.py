@@ -2,19 +2,23 @@
 
 SGLang ships its HTTP contract as generated msgspec structs in
 ``sglang/api/v1/api_types.py``; the real server rejects a request that this
-file rejects. The file imports only msgspec, so it is loaded by path from an
-installed ``sglang`` distribution without importing the ``sglang`` package
-(which would pull in torch and the whole runtime). Install it with::
+file rejects. The file imports only msgspec, so this environment keeps that
+one file, taken from the sglang wheel, in ``<prefix>/share/megatron_grpo/``
+and loads it by path: ``sglang`` itself is not installed here (the real
+server has its own environment, ``scripts/setup_sglang_venv.sh``). Fetch it
+once per environment (``scripts/setup_env.sh`` does) with::
 
-    pip install msgspec && pip install --no-deps sglang==0.5.23
+    python -m megatron_grpo.testing.sglang_contract
 """
 
 from __future__ import annotations
 
 import functools
-import importlib.metadata
 import importlib.util
+import subprocess
 import sys
+import tempfile
+import zipfile
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -22,35 +26,62 @@ from typing import Any
 SGLANG_VERSION = "0.5.23"
 _CONTRACT_FILE = "sglang/api/v1/api_types.py"
 _MODULE_NAME = "megatron_grpo.testing._sglang_api_types"
-_INSTALL_HINT = f"pip install msgspec && pip install --no-deps sglang=={SGLANG_VERSION}"
+_FETCH_HINT = "python -m megatron_grpo.testing.sglang_contract"
+# sglang 0.5.23 publishes one wheel, for CPython 3.11 on x86-64 Linux; the contract file in it
+# is plain Python, so that wheel serves any machine.
+_WHEEL_TAGS = ("--python-version", "3.11", "--platform", "manylinux_2_34_x86_64")
 
 
 class ContractUnavailableError(ImportError):
-    """SGLang's contract file cannot be loaded (sglang or msgspec missing, or another version)."""
+    """SGLang's contract file cannot be loaded (not fetched yet, or msgspec missing)."""
 
 
 class ContractViolation(ValueError):
     """A JSON value breaks SGLang's contract: the real server would answer HTTP 400."""
 
 
+def cache_path() -> Path:
+    """Where this environment keeps the contract file: under its prefix, off the import path."""
+    return Path(sys.prefix, "share", "megatron_grpo", f"sglang-{SGLANG_VERSION}", "api_types.py")
+
+
 def contract_path() -> Path:
-    """Where the installed sglang keeps ``api_types.py``; raises ContractUnavailableError."""
-    try:
-        dist = importlib.metadata.distribution("sglang")
-    except importlib.metadata.PackageNotFoundError as err:
-        raise ContractUnavailableError(
-            f"sglang is not installed, so SGLang's API contract cannot be loaded; "
-            f"install it with: {_INSTALL_HINT}"
-        ) from err
-    if dist.version != SGLANG_VERSION:
-        raise ContractUnavailableError(
-            f"sglang {dist.version} is installed but the contract is pinned to "
-            f"{SGLANG_VERSION}; install it with: {_INSTALL_HINT}"
-        )
-    path = Path(str(dist.locate_file(_CONTRACT_FILE)))
+    """The fetched ``api_types.py``; raises ContractUnavailableError naming the fetch command."""
+    path = cache_path()
     if not path.is_file():
-        raise ContractUnavailableError(f"sglang {dist.version} has no {_CONTRACT_FILE} at {path}")
+        raise ContractUnavailableError(
+            f"SGLang {SGLANG_VERSION}'s API contract is not at {path}; fetch it with: {_FETCH_HINT}"
+        )
     return path
+
+
+def fetch_contract() -> Path:
+    """Download the sglang wheel (without dependencies) and keep only its contract file."""
+    path = cache_path()
+    if path.is_file():
+        return path
+    with tempfile.TemporaryDirectory(prefix="sglang_wheel_") as tmp:
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps"]
+            + ["--only-binary=:all:", *_WHEEL_TAGS, "--dest", tmp, f"sglang=={SGLANG_VERSION}"],
+            check=True,
+        )
+        (wheel,) = Path(tmp).glob("sglang-*.whl")
+        source = contract_from_wheel(wheel)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".partial")  # a reader never sees half a file
+    partial.write_bytes(source)
+    partial.replace(path)
+    return path
+
+
+def contract_from_wheel(wheel: Path) -> bytes:
+    """The contract file's bytes from an sglang wheel."""
+    with zipfile.ZipFile(wheel) as archive:
+        try:
+            return archive.read(_CONTRACT_FILE)
+        except KeyError:
+            raise ContractUnavailableError(f"{wheel.name} has no {_CONTRACT_FILE}") from None
 
 
 @functools.cache
@@ -68,7 +99,7 @@ def load_contract() -> ModuleType:
     except ImportError as err:
         del sys.modules[_MODULE_NAME]
         raise ContractUnavailableError(
-            f"cannot load {path}: {err}; install its dependency with: {_INSTALL_HINT}"
+            f"cannot load {path}: {err}; install its dependency with: pip install msgspec"
         ) from err
     return module
 
@@ -95,3 +126,8 @@ def _decode(type_name: str, value: Any) -> Any:
         return getattr(contract, type_name).from_json_value(value)
     except contract.JsonContractError as err:
         raise ContractViolation(f"{type_name} (sglang {SGLANG_VERSION}): {err}") from err
+
+
+if __name__ == "__main__":
+    print(fetch_contract())
+    load_contract()  # msgspec is there and the file loads

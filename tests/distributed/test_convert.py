@@ -1,8 +1,9 @@
 """Checkpoint conversion end to end, on tiny random HF models (no downloads).
 
-Launches, to fit 2 cores: the HF -> megatron command line once (TP1 x PP2,
-with a model config) and the megatron -> HF one once (sharded output, copied
-tokenizer); then one TP2 x PP2 launch of 4 processes that, for every case,
+Launches, to fit 2 cores: ``megatron-grpo convert hf-to-megatron`` once
+(TP1 x PP2, with a model config) and ``tools/convert_megatron_to_hf.py``, the
+wrapper of ``megatron-grpo convert megatron-to-hf``, once (sharded output,
+copied tokenizer); then one TP2 x PP2 launch of 4 processes that, for every case,
 converts the HF checkpoint, loads the saved checkpoint into a fresh model
 with ``checkpoint.load_model`` for its logits, and exports it back to HF. The
 command lines' refusals exit before any worker starts.
@@ -11,6 +12,7 @@ command lines' refusals exit before any worker starts.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -90,14 +92,20 @@ def safetensors_state(path: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def run_tool(name: str, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+def run_command(*argv: str, timeout: float = 240) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, str(ROOT / "tools" / name), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=ROOT,
+        [sys.executable, *argv], capture_output=True, text=True, timeout=timeout, cwd=ROOT
     )
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    """``megatron-grpo convert ...``"""
+    return run_command("-m", "megatron_grpo.cli", "convert", *args)
+
+
+def run_tool(name: str, *args: str) -> subprocess.CompletedProcess:
+    """``python tools/<name> ...``"""
+    return run_command(str(ROOT / "tools" / name), *args)
 
 
 # --------------------------------------------------------------------------- workers
@@ -105,7 +113,7 @@ def run_tool(name: str, *args: str, timeout: float = 240) -> subprocess.Complete
 
 def full_logits(model: list, ctx, tokens: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
     """Logits gathered over TP on the last pipeline stage; None elsewhere."""
-    from megatron_grpo.mcore.schedule import run_schedule
+    from megatron_grpo.mcore.schedule import TokenBatch, run_schedule
 
     out: list[torch.Tensor] = []
 
@@ -117,8 +125,7 @@ def full_logits(model: list, ctx, tokens: torch.Tensor, vocab_size: int) -> torc
 
     positions = torch.arange(tokens.shape[1]).expand_as(tokens)
     with torch.no_grad():
-        batch = {"tokens": tokens, "position_ids": positions}
-        run_schedule(model, ctx, [batch], keep, forward_only=True)
+        run_schedule(model, ctx, [TokenBatch(tokens, positions)], keep, forward_only=True)
     return out[0] if out else None
 
 
@@ -192,7 +199,8 @@ def sources(tmp_path_factory) -> dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def cli_round_trip(sources, tmp_path_factory) -> dict[str, Path]:
-    """bf16 llama through both command lines: TP1 x PP2 with a model config, to sharded HF."""
+    """bf16 llama through the CLI (TP1 x PP2, with a model config) and back through the
+    tools wrapper (to sharded HF)."""
     root = tmp_path_factory.mktemp("cli")
     from megatron_grpo.commands.convert.hf_to_megatron import resolve_hf_model
     from megatron_grpo.config import dump_config
@@ -203,17 +211,19 @@ def cli_round_trip(sources, tmp_path_factory) -> dict[str, Path]:
     cfg.make_vocab_size_divisible_by = 8  # a training-only field the YAML may set
     (root / "model.yaml").write_text(dump_config(cfg))
     megatron_dir, hf_dir = root / "megatron", root / "hf"
-    to_megatron = run_tool(
-        "convert_hf_to_megatron.py",
+    to_megatron = run_cli(
+        "hf-to-megatron",
         *("--hf-dir", str(source), "--out", str(megatron_dir)),
         *("--tp", "1", "--pp", "2", "--model-config", str(root / "model.yaml")),
     )
     assert to_megatron.returncode == 0, to_megatron.stderr[-3000:]
+    assert f"wrote {megatron_dir} (TP1 x PP2, 2 layers, bfloat16)" in to_megatron.stdout
     to_hf = run_tool(
         "convert_megatron_to_hf.py",
         *("--megatron-dir", str(megatron_dir), "--out", str(hf_dir), "--max-shard-size", "100KB"),
     )
     assert to_hf.returncode == 0, to_hf.stderr[-3000:]
+    assert to_hf.stdout.strip() == f"wrote {hf_dir}"
     return {"megatron": megatron_dir, "hf": hf_dir}
 
 
@@ -363,13 +373,15 @@ def test_config_mismatch_is_refused_by_name(sources, tmp_path):
     cfg = resolve_hf_model(sources["qwen2"]["dir"])
     cfg.num_query_groups = 4
     (tmp_path / "model.yaml").write_text(dump_config(cfg))
-    result = run_tool(
-        "convert_hf_to_megatron.py",
+    result = run_cli(
+        "hf-to-megatron",
         *("--hf-dir", str(sources["qwen2"]["dir"]), "--out", str(tmp_path / "out")),
         *("--tp", "2", "--model-config", str(tmp_path / "model.yaml")),
     )
     assert result.returncode == 2
-    assert "num_key_value_heads=2 but model.num_query_groups=4" in result.stderr
+    error = "num_key_value_heads=2 but model.num_query_groups=4"
+    prefix = "megatron-grpo convert hf-to-megatron: error: "
+    assert re.search(f"^{prefix}.*{error}", result.stderr, re.M), result.stderr
     assert "Traceback" not in result.stderr and not (tmp_path / "out").exists()
 
 
@@ -391,7 +403,10 @@ def test_export_family_mismatch_is_refused_by_name(cli_round_trip, tmp_path):
         *("--family", "qwen2"),
     )
     assert result.returncode == 2
-    assert "model.add_qkv_bias=False does not fit Qwen2ForCausalLM" in result.stderr
+    error = "model.add_qkv_bias=False does not fit Qwen2ForCausalLM"
+    assert re.search(f"^convert_megatron_to_hf.py: error: .*{error}", result.stderr, re.M), (
+        result.stderr
+    )
     assert "Traceback" not in result.stderr
 
 

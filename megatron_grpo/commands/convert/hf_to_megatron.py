@@ -8,7 +8,7 @@ files, one layer at a time, keeps its TP shard (``full_state.load_full_state``)
 and takes part in one distributed save (``checkpoint.save_model``). The
 resolved ``ModelConfig`` goes into ``model.yaml`` and the source's config,
 generation config and tokenizer files into ``hf/``, both inside the
-checkpoint directory, for training and for the way back (``convert.export``).
+checkpoint directory, for training and for the way back (``megatron_to_hf``).
 
 Memory: each rank holds its model shard plus one full decoder layer (or one
 vocab matrix) of the HF checkpoint.
@@ -26,34 +26,35 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
-import torch
 import yaml
 
 from megatron_grpo.config import ModelConfig, ParallelDims, dump_config, from_dict
-from megatron_grpo.convert.hf_config import (
+from megatron_grpo.config.hf import (
     check_hf_config,
     family_of,
     get_family,
     model_config_from_hf,
+    read_hf_config,
 )
+from megatron_grpo.config.init_model import MODEL_CONFIG_FILE
 from megatron_grpo.convert.hf_files import (
     CONFIG_FILES,
     TOKENIZER_FILES,
     HFCheckpoint,
     MegatronView,
     copy_files,
-    read_hf_config,
 )
 from megatron_grpo.convert.sharding import chunk_layer_range, shard_for_rank
 from megatron_grpo.convert.weights import hf_to_megatron
+from megatron_grpo.mcore.model import DTYPES
 
-MODEL_CONFIG_FILE = "model.yaml"
 HF_FILES_DIR = "hf"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def load_model_config(path: str | Path) -> ModelConfig:
     """A ``ModelConfig`` from YAML: its fields, or a run config with a ``model:`` section."""
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"no model config at {path} (a converted checkpoint has one)")
     raw = yaml.safe_load(Path(path).read_text()) or {}
     if isinstance(raw, dict) and isinstance(raw.get("model"), dict):
         raw = raw["model"]

@@ -26,16 +26,15 @@ import torch
 from torch import Tensor
 
 from megatron_grpo.commands.convert.hf_to_megatron import (
-    DTYPES,
     HF_FILES_DIR,
-    MODEL_CONFIG_FILE,
     load_model_config,
     progress_file,
     relayed_progress,
     under_torchrun,
 )
 from megatron_grpo.config import ModelConfig, ParallelDims
-from megatron_grpo.convert.hf_config import FAMILIES, check_family, get_family
+from megatron_grpo.config.hf import FAMILIES, check_family, get_family
+from megatron_grpo.config.init_model import MODEL_CONFIG_FILE
 from megatron_grpo.convert.hf_files import (
     TOKENIZER_FILES,
     ShardedWriter,
@@ -56,6 +55,7 @@ from megatron_grpo.convert.weights import (
     megatron_layer_to_hf,
     megatron_to_hf,
 )
+from megatron_grpo.mcore.model import DTYPES
 
 _LAYERS = "decoder.layers."
 Unit = int | str
