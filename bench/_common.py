@@ -203,3 +203,27 @@ def seconds(times: dict[str, list[Timing]]) -> dict[str, dict[str, dict[str, flo
         name: {clock: summary([getattr(t, clock) for t in runs]) for clock in ("wall", "cpu")}
         for name, runs in times.items()
     }
+
+
+def tiny_model(**fields: Any):
+    """A 2-layer, 64-wide Qwen-style ``ModelConfig`` for quick runs; ``fields`` set the rest."""
+    from megatron_grpo.config import ModelConfig
+
+    shape = dict(
+        num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2
+    )
+    return ModelConfig(**{**shape, **fields})
+
+
+def run_at_layout(script: str, layout, *, timeout: float, **kwargs: Any) -> list:
+    """``worker(tp=..., pp=..., **kwargs)`` of the bench script ``script`` on every rank of
+    ``layout`` (a DPxTPxPP ``Layout``); each rank's result."""
+    from megatron_grpo.launch import run_workers
+
+    return run_workers(
+        f"{Path(script).resolve()}:worker",
+        layout.world_size,
+        kwargs={"tp": layout.tp, "pp": layout.pp, **kwargs},
+        timeout=timeout,
+        env=worker_env(),
+    )

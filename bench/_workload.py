@@ -2,30 +2,30 @@
 
 The samples look like a rollout batch: prompt groups sharing a prompt, completions of
 varied lengths, an advantage per sample and the rollout engine's log-probs on the
-completion tokens. They are laid out exactly as the trainer lays them out
-(``plan.plan`` over the DP ranks under a token budget, then ``batch.collate``).
+completion tokens. They are laid out by the trainer's own planner
+(``train.step.plan_micro_batches``).
 
-``grpo_step`` is one optimizer step of ``train_step.train_on_rollout`` for one
-global batch (denominators with their one DP all-reduce, the schedule with
-``grpo_loss``, the optimizer, the metric reduction), with the old and
-reference log-probs already in the micro-batches. ``ce_step`` is the same
-schedule and optimizer with megatron-core's ``vocab_parallel_cross_entropy``
-as the loss: the step megatron-core's own pretraining would take on the
-same tokens.
+Both steps are the trainer's ``train.step.optimizer_step`` (zero the gradients, the
+schedule, the optimizer, the LR schedule, the metric reduction) on the same
+micro-batches; only the loss differs. ``grpo`` uses ``grpo_loss`` with the weights
+set by ``prepare_global_batch`` (the denominators' one DP all-reduce) and the old and
+reference log-probs in the micro-batches; ``ce`` uses megatron-core's
+``vocab_parallel_cross_entropy``: the step megatron-core's own pretraining would take
+on the same tokens.
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from megatron_grpo.algo.batch import Sample, collate
+from megatron_grpo.algo.batch import MicroBatch, Sample
+from megatron_grpo.algo.loss import METRIC_SUMS
 from megatron_grpo.config import LossConfig, ModelConfig
 from megatron_grpo.mcore.parallel import ParallelContext
-from megatron_grpo.train.plan import plan
+from megatron_grpo.train.step import StepSettings, plan_micro_batches
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,61 +84,46 @@ def make_samples(shape: BatchShape, vocab_size: int, seed: int = 0) -> list[Samp
     return samples
 
 
-def micro_batches(
-    samples: list[Sample], shape: BatchShape, ctx: ParallelContext
-) -> list[dict[str, Any]]:
-    """This rank's micro-batches, as ``train_step`` builds them."""
-    p = plan(
-        [len(s) for s in samples],
-        dp_size=ctx.dp_size,
-        max_tokens=shape.max_tokens_per_micro_batch,
-        packed=shape.pack,
+def settings(shape: BatchShape, vocab_size: int) -> StepSettings:
+    """The trainer's settings for one optimizer step on the whole batch."""
+    return StepSettings(
+        global_batch_size=shape.num_samples,
+        num_iterations=1,
+        max_tokens_per_micro_batch=shape.max_tokens_per_micro_batch,
+        pack=shape.pack,
+        vocab_size=vocab_size,
+        max_len=shape.completion_len[1],
     )
-    mbs = [
-        collate([[samples[i] for i in row] for row in mb]) for mb in p.micro_batches(ctx.dp_rank)
-    ]
-    num_groups = len({s.group for s in samples})
-    for mb in mbs:
-        mb["num_groups"] = num_groups
-    return mbs
 
 
-PER_SAMPLE_KEYS = ("seq_tokens", "group_ids", "sample_ids")
-"""Per-sample vectors that ``set_loss_weights`` combines with CPU tensors: kept on the CPU."""
+def micro_batches(
+    samples: list[Sample], shape: BatchShape, ctx: ParallelContext, vocab_size: int
+) -> list[MicroBatch]:
+    """This rank's micro-batches, planned as the trainer plans them."""
+    return plan_micro_batches(samples, ctx, settings(shape, vocab_size))
 
 
-def to_device(mbs: list[dict[str, Any]], device: torch.device) -> None:
-    """Move the per-position tensors of the micro-batches to ``device`` (in place).
-
-    The trainer itself leaves micro-batches on the CPU; on a GPU the model
-    needs its inputs there, while the denominators are computed from the
-    per-sample vectors on the CPU, so those stay.
-    """
-    for mb in mbs:
-        for key, value in mb.items():
-            if isinstance(value, torch.Tensor) and key not in PER_SAMPLE_KEYS:
-                mb[key] = value.to(device, non_blocking=True)
-
-
-def add_reference_logprobs(mbs: list[dict[str, Any]], seed: int = 0) -> None:
+def add_reference_logprobs(mbs: list[MicroBatch], seed: int = 0) -> None:
     """Reference log-probs near the old ones (KL is non-zero); last stage only holds "old"."""
     g = torch.Generator().manual_seed(seed)
     for mb in mbs:
-        if "old_logprobs" in mb:
-            old = mb["old_logprobs"]
+        if mb.old_logprobs is not None:
+            old = mb.old_logprobs
             noise = 0.05 * torch.randn(old.shape, generator=g).to(old.device)
-            mb["ref_logprobs"] = old + noise * mb["loss_mask"]
+            mb.ref_logprobs = old + noise * mb.loss_mask
 
 
-def ce_loss(batch: dict[str, Any], logits: torch.Tensor, *, scale: float):
+def ce_loss(batch: MicroBatch, logits: torch.Tensor, *, scale: float):
     """megatron-core's vocab-parallel cross-entropy, summed over loss tokens and scaled."""
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-    per_token = vocab_parallel_cross_entropy(logits.float(), batch["targets"])
-    mask = batch["loss_mask"]
+    per_token = vocab_parallel_cross_entropy(logits.float(), batch.targets)
+    mask = batch.loss_mask
     loss = (per_token * mask).sum() * scale
     num_tokens = mask.sum()
-    return loss, num_tokens.to(torch.int), {"loss": loss.detach()}
+    zero = loss.new_zeros(())
+    metrics = {k: zero for k in METRIC_SUMS} | {"loss": loss.detach(), "tokens": num_tokens}
+    return loss, num_tokens.to(torch.int), metrics
 
 
 def num_loss_tokens(samples: list[Sample]) -> int:
@@ -152,18 +137,20 @@ class Steps:
         self,
         model: list,
         optimizer,
+        scheduler,
         ctx: ParallelContext,
-        mbs: list[dict[str, Any]],
+        mbs: list[MicroBatch],
         *,
         model_cfg: ModelConfig,
         loss_cfg: LossConfig,
+        step_settings: StepSettings,
         total_loss_tokens: int,
-        max_len: int,
     ) -> None:
         from megatron_grpo.algo.loss import grpo_loss
 
-        self.model, self.optimizer, self.ctx, self.mbs = model, optimizer, ctx, mbs
-        self.model_cfg, self.loss_cfg, self.max_len = model_cfg, loss_cfg, max_len
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.ctx, self.mbs, self.settings = ctx, mbs, step_settings
+        self.model_cfg, self.loss_cfg = model_cfg, loss_cfg
         self.grpo_fn = functools.partial(
             grpo_loss, cfg=loss_cfg, tp_group=ctx.tp_group, vocab_size=model_cfg.vocab_size
         )
@@ -171,35 +158,26 @@ class Steps:
 
     def old_logprobs(self) -> None:
         """The forward-only pass that freezes the behaviour policy's log-probs."""
-        from megatron_grpo.algo.loss import compute_logprobs
+        from megatron_grpo.train.step import forward_logprobs
 
-        compute_logprobs(self.model, self.ctx, self.mbs, vocab_size=self.model_cfg.vocab_size)
+        logps = forward_logprobs(
+            self.model, self.ctx, self.mbs, vocab_size=self.model_cfg.vocab_size
+        )
+        for mb, logp in zip(self.mbs, logps):
+            mb.old_logprobs = logp
 
     def grpo(self) -> dict[str, float]:
-        from megatron_grpo.algo.loss import set_loss_weights
-        from megatron_grpo.mcore.schedule import run_schedule, zero_grads
-        from megatron_grpo.train.step import reduce_metrics
+        """The trainer's step: the loss weights (one DP all-reduce), then the optimizer step."""
+        from megatron_grpo.train.step import optimizer_step, prepare_global_batch
 
-        zero_grads(self.model)
-        self.optimizer.zero_grad()
-        set_loss_weights(
-            self.mbs,
-            self.loss_cfg,
-            self.ctx,
-            num_groups=self.mbs[0]["num_groups"],
-            max_len=self.max_len,
+        prepare_global_batch(
+            self.model, self.ctx, self.mbs, self.loss_cfg, self.settings, freeze_old=False
         )
-        for mb in self.mbs:  # weights come back where the counts were computed: the CPU
-            if "loss_weights" in mb:
-                mb["loss_weights"] = mb["loss_weights"].to(mb["tokens"].device)
-        per_mb = run_schedule(self.model, self.ctx, self.mbs, self.grpo_fn)
-        self.optimizer.step()
-        return reduce_metrics(per_mb, self.ctx)
+        return optimizer_step(
+            self.model, self.optimizer, self.scheduler, self.ctx, self.mbs, self.grpo_fn
+        )
 
     def ce(self) -> None:
-        from megatron_grpo.mcore.schedule import run_schedule, zero_grads
+        from megatron_grpo.train.step import optimizer_step
 
-        zero_grads(self.model)
-        self.optimizer.zero_grad()
-        run_schedule(self.model, self.ctx, self.mbs, self.ce_fn)
-        self.optimizer.step()
+        optimizer_step(self.model, self.optimizer, self.scheduler, self.ctx, self.mbs, self.ce_fn)

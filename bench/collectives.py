@@ -29,10 +29,9 @@ import contextlib
 import inspect
 from collections import defaultdict
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
-from _common import Ratio, parser, worker_env, write_result
+from _common import Ratio, parser, run_at_layout, tiny_model, write_result
 
 OPS = (
     "all_reduce",
@@ -165,7 +164,9 @@ def worker(*, tp: int, pp: int, model_cfg, shape, num_global_batches: int, mu: i
     spy = Spy()
     patched = {
         "set_loss_weights": "denominators",
-        "compute_logprobs": lambda *a, key="old_logprobs", **k: key.replace("_", " ") + " pass",
+        "forward_logprobs": lambda m, *a, **k: (
+            f"{'ref' if m is ref_model else 'old'} logprobs pass"
+        ),
         "run_schedule": "forward_backward (DDP grad all-reduce included)",
         "reduce_metrics": "metrics",
     }
@@ -212,32 +213,15 @@ def tally(calls) -> dict[str, dict[str, dict[str, int]]]:
     return dict(out)
 
 
-def main() -> None:
-    p = parser(__doc__)
-    p.add_argument("--layout", help="DPxTPxPP (default 2x2x2; 2x1x1 with --quick)")
-    p.add_argument("--global-batches", type=int, default=2)
-    p.add_argument("--mu", type=int, default=2, help="optimizer passes per rollout batch")
-    p.add_argument(
-        "--timeout", type=float, help="seconds per launch (default 600; 150 with --quick)"
-    )
-    args = p.parse_args()
-
+def launch(args):
+    """Run ``worker`` at the requested layout; (layout, model config, batch shape, per-rank)."""
     from _workload import BatchShape
 
     from megatron_grpo.commands.invariance import Layout
-    from megatron_grpo.config import ModelConfig
-    from megatron_grpo.launch import run_workers
 
     layout = Layout.parse(args.layout or ("2x1x1" if args.quick else "2x2x2"))
-    model_cfg = ModelConfig(
-        num_layers=2,
-        hidden_size=64,
-        ffn_hidden_size=128,
-        num_attention_heads=4,
-        num_query_groups=2,
-        vocab_size=500,
-        make_vocab_size_divisible_by=8,
-        max_position_embeddings=256,
+    model_cfg = tiny_model(
+        vocab_size=500, make_vocab_size_divisible_by=8, max_position_embeddings=256
     )
     shape = BatchShape(
         num_samples=8,
@@ -247,26 +231,25 @@ def main() -> None:
         max_tokens_per_micro_batch=48,
         pack=True,
     )
-    ranks = run_workers(
-        f"{Path(__file__).resolve()}:worker",
-        layout.world_size,
-        kwargs={
-            "tp": layout.tp,
-            "pp": layout.pp,
-            "model_cfg": model_cfg,
-            "shape": shape,
-            "num_global_batches": args.global_batches,
-            "mu": args.mu,
-        },
+    ranks = run_at_layout(
+        __file__,
+        layout,
         timeout=args.timeout or (150.0 if args.quick else 600.0),
-        env=worker_env(),
+        model_cfg=model_cfg,
+        shape=shape,
+        num_global_batches=args.global_batches,
+        mu=args.mu,
     )
-    num_batches = args.global_batches
+    return layout, model_cfg, shape, ranks
+
+
+def denominator_shares(ranks, num_batches: int):
+    """Per-rank tallies, the denominator path's share of calls and bytes, and what broke
+    the target (exactly one all-reduce per global batch on the DP group, last stage only)."""
     per_rank, problems = {}, []
-    den_share_calls, den_share_bytes = [], []
+    share_calls, share_bytes = [], []
     for r in ranks:
-        table = tally(r["calls"])
-        per_rank[r["rank"]] = table
+        per_rank[r["rank"]] = tally(r["calls"])
         den = [c for c in r["calls"] if c[0] == "denominators"]
         expected = [("denominators", "all_reduce", r["dp_cp_group"])] * num_batches
         if not r["last_stage"]:
@@ -274,9 +257,26 @@ def main() -> None:
         if [c[:3] for c in den] != expected:
             problems.append(f"rank {r['rank']}: denominator calls {den}, expected {expected}")
         if r["last_stage"] and r["calls"]:
-            den_share_calls.append(len(den) / len(r["calls"]))
+            share_calls.append(len(den) / len(r["calls"]))
             total = sum(max(c[3], 0) for c in r["calls"])
-            den_share_bytes.append(sum(c[3] for c in den) / total if total else 0.0)
+            share_bytes.append(sum(c[3] for c in den) / total if total else 0.0)
+    calls = Ratio.of("denominator calls / all calls", share_calls)
+    bytes_ = Ratio.of("denominator bytes / all bytes", share_bytes)
+    return per_rank, calls, bytes_, problems
+
+
+def main() -> None:
+    p = parser(__doc__)
+    p.add_argument("--layout", help="DPxTPxPP (default 2x2x2; 2x1x1 with --quick)")
+    p.add_argument("--global-batches", type=int, default=2)
+    p.add_argument("--mu", type=int, default=2, help="optimizer passes per rollout batch")
+    p.add_argument(
+        "--timeout", type=float, help="seconds per launch (default 600; 150 with --quick)"
+    )
+    args = p.parse_args()
+    layout, model_cfg, shape, ranks = launch(args)
+    num_batches = args.global_batches
+    per_rank, calls_share, bytes_share, problems = denominator_shares(ranks, num_batches)
     last = next(r for r in ranks if r["last_stage"])
     den_calls = [c for c in last["calls"] if c[0] == "denominators"]
     per_batch = len(den_calls) / num_batches
@@ -287,10 +287,8 @@ def main() -> None:
         f"({den_calls[0][3] if den_calls else 0} bytes each); "
         f"target exactly 1 on the DP group: {'met' if met else 'NOT met'}"
     )
-    calls_share = Ratio.of("denominator calls / all calls", den_share_calls)
-    bytes_share = Ratio.of("denominator bytes / all bytes", den_share_bytes)
     print(
-        f"RATIO denominator path / whole train_on_rollout, over the {len(den_share_calls)} "
+        f"RATIO denominator path / whole train_on_rollout, over the {calls_share.repeats} "
         f"last-stage ranks: calls {calls_share.min:.3f}-{calls_share.max:.3f}, "
         f"bytes {bytes_share.min:.2e}-{bytes_share.max:.2e}"
     )

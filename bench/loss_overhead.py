@@ -29,16 +29,16 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import asdict, replace
-from pathlib import Path
 
 from _common import (
     Ratio,
     interleaved,
     parser,
     ratios,
+    run_at_layout,
     seconds,
     sum_over_ranks,
-    worker_env,
+    tiny_model,
     write_result,
 )
 
@@ -49,16 +49,7 @@ def model_config(quick: bool, vocab_size: int | None):
     from megatron_grpo.config import ModelConfig
 
     if quick:
-        return ModelConfig(
-            num_layers=2,
-            hidden_size=64,
-            ffn_hidden_size=128,
-            num_attention_heads=4,
-            num_query_groups=2,
-            vocab_size=vocab_size or 500,
-            make_vocab_size_divisible_by=128,
-            max_position_embeddings=512,
-        )
+        return tiny_model(vocab_size=vocab_size or 500, max_position_embeddings=512)
     # Qwen-like proportions at a CPU size; vocab / hidden = 62 (Qwen3-1.7B: 74, 8B: 37).
     return ModelConfig(
         num_layers=4,
@@ -105,6 +96,7 @@ def worker(*, tp: int, pp: int, model_cfg, shape, repeats: int, warmup: int) -> 
         make_samples,
         micro_batches,
         num_loss_tokens,
+        settings,
     )
 
     from megatron_grpo.config import OptimConfig, ParallelDims
@@ -114,32 +106,27 @@ def worker(*, tp: int, pp: int, model_cfg, shape, repeats: int, warmup: int) -> 
 
     ctx = init_parallel(ParallelDims(tp=tp, pp=pp))
     model = build_model(model_cfg, ctx)
-    optimizer, _ = build_optimizer(
+    optimizer, scheduler = build_optimizer(
         OptimConfig(optimizer="adam", lr=1e-6, clip_grad=1.0), model_cfg, model, ctx
     )
     samples = make_samples(shape, model_cfg.vocab_size)
-    mbs = micro_batches(samples, shape, ctx)
-    steps = Steps(
-        model,
-        optimizer,
-        ctx,
-        mbs,
+    mbs = micro_batches(samples, shape, ctx, model_cfg.vocab_size)
+    common = dict(
         model_cfg=model_cfg,
-        loss_cfg=full_loss_config(),
+        step_settings=settings(shape, model_cfg.vocab_size),
         total_loss_tokens=num_loss_tokens(samples),
-        max_len=shape.completion_len[1],
     )
+    steps = Steps(model, optimizer, scheduler, ctx, mbs, loss_cfg=full_loss_config(), **common)
     # The same step with the entropy bonus off (its default in DAPO, Dr. GRPO and slime): the
     # entropy is then a metric only and its gradient, an extra pass over the logits, is skipped.
     no_bonus = Steps(
         model,
         optimizer,
+        scheduler,
         ctx,
         mbs,
-        model_cfg=model_cfg,
         loss_cfg=replace(full_loss_config(), entropy_coef=0.0),
-        total_loss_tokens=num_loss_tokens(samples),
-        max_len=shape.completion_len[1],
+        **common,
     )
     steps.old_logprobs()
     add_reference_logprobs(mbs)
@@ -172,9 +159,9 @@ def worker(*, tp: int, pp: int, model_cfg, shape, repeats: int, warmup: int) -> 
         "times": times,
         "breakdown": breakdown,
         "last_grpo_metrics": metrics,
-        "tokens_per_rank": sum(mb["num_tokens"] for mb in mbs),
+        "tokens_per_rank": sum(int((mb.seg >= 0).sum()) for mb in mbs),
         "micro_batches_on_rank0": len(mbs),
-        "micro_batch_widths_on_rank0": [int(mb["tokens"].shape[1]) for mb in mbs],
+        "micro_batch_widths_on_rank0": [int(mb.tokens.shape[1]) for mb in mbs],
         "dp": ctx.dp_size,
     }
 
@@ -188,21 +175,21 @@ def _loss_breakdown(steps, ctx, *, repeats: int, warmup: int) -> dict:
 
     if not ctx.is_last_stage:  # no loss here: empty timings, counted as zero CPU
         return {}
-    mb = max(steps.mbs, key=lambda m: m["tokens"].numel())
+    mb = max(steps.mbs, key=lambda m: m.tokens.numel())
     local_vocab = steps.model_cfg.padded_vocab_size(ctx.dims.tp) // ctx.dims.tp
     g = torch.Generator().manual_seed(ctx.rank)
-    base = torch.randn(*mb["tokens"].shape, local_vocab, generator=g)
-    vocab, mask = steps.model_cfg.vocab_size, mb["loss_mask"]
+    base = torch.randn(*mb.tokens.shape, local_vocab, generator=g)
+    vocab, mask = steps.model_cfg.vocab_size, mb.loss_mask
 
     def logprobs_only(logits):
         logp, _ = vocab_parallel_logprobs(
-            logits, mb["targets"], tp_group=ctx.tp_group, vocab_size=vocab
+            logits, mb.targets, tp_group=ctx.tp_group, vocab_size=vocab
         )
         return (logp * mask).sum()
 
     def logprobs_entropy(logits):
         logp, ent = vocab_parallel_logprobs(
-            logits, mb["targets"], tp_group=ctx.tp_group, vocab_size=vocab, with_entropy=True
+            logits, mb.targets, tp_group=ctx.tp_group, vocab_size=vocab, with_entropy=True
         )
         return ((logp + 0.001 * ent) * mask).sum()
 
@@ -223,6 +210,57 @@ def _loss_breakdown(steps, ctx, *, repeats: int, warmup: int) -> dict:
     )
 
 
+def report_layout(layout, out: dict) -> tuple[dict, bool]:
+    """Print one layout's ratios; its JSON entry and whether the step target was met."""
+    times, breakdown = out.pop("times"), out.pop("breakdown")
+
+    def ratio(name: str, numerators: list[str], denominator: str, clock: str) -> Ratio:
+        return Ratio.of(f"{layout} {name} [{clock}]", ratios(times, numerators, denominator, clock))
+
+    clocks = ("cpu", "wall")
+    step = {c: ratio("grpo_step/ce_step", ["grpo"], "ce", c) for c in clocks}
+    no_bonus = {
+        c: ratio("grpo_step_without_entropy_bonus/ce_step", ["grpo_no_entropy_bonus"], "ce", c)
+        for c in clocks
+    }
+    with_old = {
+        c: ratio("(grpo_step+old_logprob_pass)/ce_step", ["grpo", "old"], "ce", c) for c in clocks
+    }
+    for clock in clocks:
+        print(step[clock].line(TARGET))
+        print(no_bonus[clock].line(TARGET))
+        print(with_old[clock].line())
+    loss_fn = {
+        name: Ratio.of(
+            f"{layout} {name}/loss_ce fwd+bwd [cpu]",
+            ratios(breakdown, [name], "loss_ce", "cpu"),
+        )
+        for name in ("loss_logprobs", "loss_logprobs_entropy", "loss_grpo")
+    }
+    for r in loss_fn.values():
+        print("  " + r.line())
+    cpu = {k: statistics.median(t.cpu for t in v) for k, v in {**times, **breakdown}.items()}
+    print(
+        f"  {layout} CPU seconds (all ranks): ce step {cpu['ce']:.2f}, grpo step "
+        f"{cpu['grpo']:.2f}, old-logprob pass {cpu['old']:.2f}; per micro-batch, over "
+        f"megatron's CE {cpu['loss_ce']:.3f}: log-probs "
+        f"{cpu['loss_logprobs'] - cpu['loss_ce']:+.3f}, entropy "
+        f"{cpu['loss_logprobs_entropy'] - cpu['loss_logprobs']:+.3f}, rest of grpo_loss "
+        f"{cpu['loss_grpo'] - cpu['loss_logprobs_entropy']:+.3f} "
+        f"({out['micro_batches_on_rank0']} micro-batches on rank 0)"
+    )
+    entry = {
+        "step_only": step,
+        "step_only_without_entropy_bonus": no_bonus,
+        "with_old_logprob_pass": with_old,
+        "loss_fn_vs_ce": loss_fn,
+        "seconds": seconds(times),
+        "loss_fn_seconds": seconds(breakdown),
+        **out,
+    }
+    return entry, step["cpu"].median <= TARGET
+
+
 def main() -> None:
     p = parser(__doc__)
     p.add_argument("--layouts", help="comma-separated DPxTPxPP, default 2x1x1,1x2x1")
@@ -236,7 +274,6 @@ def main() -> None:
     args = p.parse_args()
 
     from megatron_grpo.commands.invariance import Layout
-    from megatron_grpo.launch import run_workers
 
     layouts = [
         Layout.parse(x)
@@ -248,75 +285,17 @@ def main() -> None:
     shape = batch_shape(args.quick, pack=not args.no_pack)
     results, met = {}, True
     for layout in layouts:
-        out = run_workers(
-            f"{Path(__file__).resolve()}:worker",
-            layout.world_size,
-            kwargs={
-                "tp": layout.tp,
-                "pp": layout.pp,
-                "model_cfg": model_cfg,
-                "shape": shape,
-                "repeats": repeats,
-                "warmup": warmup,
-            },
+        out = run_at_layout(
+            __file__,
+            layout,
             timeout=args.timeout or (150.0 if args.quick else 900.0),
-            env=worker_env(),
+            model_cfg=model_cfg,
+            shape=shape,
+            repeats=repeats,
+            warmup=warmup,
         )[0]
-        times, breakdown = out.pop("times"), out.pop("breakdown")
-        step = {
-            clock: Ratio.of(
-                f"{layout} grpo_step/ce_step [{clock}]", ratios(times, ["grpo"], "ce", clock)
-            )
-            for clock in ("cpu", "wall")
-        }
-        no_bonus = {
-            clock: Ratio.of(
-                f"{layout} grpo_step_without_entropy_bonus/ce_step [{clock}]",
-                ratios(times, ["grpo_no_entropy_bonus"], "ce", clock),
-            )
-            for clock in ("cpu", "wall")
-        }
-        with_old = {
-            clock: Ratio.of(
-                f"{layout} (grpo_step+old_logprob_pass)/ce_step [{clock}]",
-                ratios(times, ["grpo", "old"], "ce", clock),
-            )
-            for clock in ("cpu", "wall")
-        }
-        for clock in ("cpu", "wall"):
-            print(step[clock].line(TARGET))
-            print(no_bonus[clock].line(TARGET))
-            print(with_old[clock].line())
-        loss_fn = {
-            name: Ratio.of(
-                f"{layout} {name}/loss_ce fwd+bwd [cpu]",
-                ratios(breakdown, [name], "loss_ce", "cpu"),
-            )
-            for name in ("loss_logprobs", "loss_logprobs_entropy", "loss_grpo")
-        }
-        for r in loss_fn.values():
-            print("  " + r.line())
-        cpu = {k: statistics.median(t.cpu for t in v) for k, v in {**times, **breakdown}.items()}
-        mb = out["micro_batches_on_rank0"]
-        print(
-            f"  {layout} CPU seconds (all ranks): ce step {cpu['ce']:.2f}, grpo step "
-            f"{cpu['grpo']:.2f}, old-logprob pass {cpu['old']:.2f}; per micro-batch, over "
-            f"megatron's CE {cpu['loss_ce']:.3f}: log-probs "
-            f"{cpu['loss_logprobs'] - cpu['loss_ce']:+.3f}, entropy "
-            f"{cpu['loss_logprobs_entropy'] - cpu['loss_logprobs']:+.3f}, rest of grpo_loss "
-            f"{cpu['loss_grpo'] - cpu['loss_logprobs_entropy']:+.3f} "
-            f"({mb} micro-batches on rank 0)"
-        )
-        met &= step["cpu"].median <= TARGET
-        results[str(layout)] = {
-            "step_only": step,
-            "step_only_without_entropy_bonus": no_bonus,
-            "with_old_logprob_pass": with_old,
-            "loss_fn_vs_ce": loss_fn,
-            "seconds": seconds(times),
-            "loss_fn_seconds": seconds(breakdown),
-            **out,
-        }
+        results[str(layout)], layout_met = report_layout(layout, out)
+        met &= layout_met
     write_result(
         "loss_overhead",
         args.out,

@@ -10,7 +10,7 @@ megatron-core must then add no factor of its own, and it does not:
 - the model config sets ``calculate_per_token_loss=True``, so the schedule
   does not divide the loss by the number of micro-batches, and DDP sums
   gradients over DP x CP instead of averaging them;
-- ``model._finalize_grads`` calls ``finalize_model_grads`` without the token
+- ``mcore.model`` hands megatron-core's ``finalize_model_grads`` no token
   count, so the gradients are not divided by it either.
 The gradient after the backward passes and the DDP all-reduce is therefore
 exactly dJ/dtheta, whatever the layout. KL and entropy use the same weights.
@@ -18,19 +18,15 @@ exactly dJ/dtheta, whatever the layout. KL and entropy use the same weights.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from megatron_grpo.algo import policy_loss
-from megatron_grpo.algo.batch import token_values
+from megatron_grpo.algo.batch import MicroBatch
 from megatron_grpo.algo.logprobs import vocab_parallel_logprobs
 from megatron_grpo.algo.normalization import global_counts, sequence_weights
 from megatron_grpo.config import LossConfig
-from megatron_grpo.mcore.parallel import ParallelContext
-from megatron_grpo.mcore.schedule import run_schedule
 
 METRIC_SUMS = ("tokens", "clipped", "kl", "entropy", "mismatch", "is_rejected")
 """Per-micro-batch sums over loss tokens returned as metrics (divide by "tokens")."""
@@ -39,40 +35,46 @@ METRIC_SUMS = ("tokens", "clipped", "kl", "entropy", "mismatch", "is_rejected")
 def scaled_loss(per_token: Tensor, mask: Tensor, token_weights: Tensor) -> Tensor:
     """sum_i w_i sum_t mask_{i,t} l_{i,t}: the only place a loss is scaled.
 
-    ``token_weights`` holds w_i at every position of sample i (``batch.token_values``).
+    ``token_weights`` holds w_i at every position of sample i (``policy_loss.token_values``).
     """
     return (per_token * mask * token_weights.to(per_token.dtype)).sum()
 
 
 def set_loss_weights(
-    micro_batches: list[dict[str, Any]],
+    micro_batches: list[MicroBatch],
     cfg: LossConfig,
-    ctx: ParallelContext,
     *,
-    num_groups: int,
+    group: dist.ProcessGroup | None,
+    device: torch.device | None,
+    count_here: bool,
     max_len: int | None = None,
 ) -> None:
-    """Attach w_i ("loss_weights") to every micro-batch of this rank's global-batch share.
+    """Set w_i (``loss_weights``) in every micro-batch of this rank's global-batch share.
 
-    One all-reduce over the DP x CP group, before the micro-batch loop. Only
-    the last pipeline stage computes a loss, so only it takes part.
+    One all-reduce over ``group``, the DP x CP group, before the micro-batch loop
+    (``normalization.global_counts``: ``device`` is where it runs, ``count_here``
+    whether this rank's counts add in). Run it on the last pipeline stage only:
+    only it computes a loss.
     """
-    if not ctx.is_last_stage:
-        return
-    seq_tokens = torch.cat([mb["seq_tokens"] for mb in micro_batches]).cpu()
-    group_ids = torch.cat([mb["group_ids"] for mb in micro_batches]).cpu()
+    seq_tokens = torch.cat([mb.seq_tokens for mb in micro_batches]).cpu()
+    group_ids = torch.cat([mb.group_ids for mb in micro_batches]).cpu()
     counts = global_counts(
-        seq_tokens, group_ids, num_groups, group=ctx.dp_cp_group, count_here=ctx.cp_rank == 0
+        seq_tokens,
+        group_ids,
+        micro_batches[0].num_groups,
+        group=group,
+        device=device,
+        count_here=count_here,
     )
     weights = sequence_weights(
         cfg.mode, counts, seq_tokens, group_ids, max_len=cfg.max_len or max_len
     )
-    for mb, w in zip(micro_batches, weights.split([len(mb["seq_tokens"]) for mb in micro_batches])):
-        mb["loss_weights"] = w.to(mb["loss_mask"].device)
+    for mb, w in zip(micro_batches, weights.split([mb.num_samples for mb in micro_batches])):
+        mb.loss_weights = w.to(mb.loss_mask.device)
 
 
 def grpo_loss(
-    batch: dict[str, Any],
+    batch: MicroBatch,
     logits: Tensor,
     *,
     cfg: LossConfig,
@@ -80,17 +82,17 @@ def grpo_loss(
     vocab_size: int,
 ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
     """Loss of one micro-batch for megatron-core's schedule: (loss, num_tokens, metric sums)."""
-    mask, seg = batch["loss_mask"], batch["seg"]
-    num_seqs = len(batch["seq_tokens"])
+    mask, seg = batch.loss_mask, batch.seg
+    num_seqs = batch.num_samples
     logp, entropy = vocab_parallel_logprobs(
         logits,
-        batch["targets"],
+        batch.targets,
         tp_group=tp_group,
         vocab_size=vocab_size,
         with_entropy=True,
         entropy_grad=bool(cfg.entropy_coef),
     )
-    old_logp = batch.get("old_logprobs")
+    old_logp = batch.old_logprobs
     if old_logp is None:  # on-policy single pass: the ratio is 1 with the right gradient
         old_logp = logp.detach()
     log_ratio = logp - old_logp
@@ -98,14 +100,14 @@ def grpo_loss(
         log_ratio = policy_loss.gspo_log_ratio(log_ratio, mask, seg, num_seqs)
     per_token, clipped = policy_loss.ppo_clip_loss(
         log_ratio,
-        batch["advantages"],
+        batch.advantages,
         eps_low=cfg.eps_clip_low,
         eps_high=cfg.eps_clip_high,
         dual_clip=cfg.dual_clip,
     )
     zeros = torch.zeros_like(mask)
     mismatch, rejected = zeros, zeros
-    rollout_logp = batch.get("rollout_logprobs")
+    rollout_logp = batch.rollout_logprobs
     if rollout_logp is not None:
         mismatch = policy_loss.mismatch(old_logp, rollout_logp, mask)
         if cfg.tis_level is not None:
@@ -123,12 +125,14 @@ def grpo_loss(
             per_token = per_token * is_weights
     kl = zeros
     if cfg.kl_coef:
-        kl = policy_loss.kl_penalty(logp, batch["ref_logprobs"], cfg.kl_estimator)
+        assert batch.ref_logprobs is not None, "loss.kl_coef needs the reference log-probs"
+        kl = policy_loss.kl_penalty(logp, batch.ref_logprobs, cfg.kl_estimator)
         per_token = per_token + cfg.kl_coef * kl
     assert entropy is not None
     if cfg.entropy_coef:
         per_token = per_token - cfg.entropy_coef * entropy
-    loss = scaled_loss(per_token, mask, token_values(batch["loss_weights"], seg))
+    assert batch.loss_weights is not None, "set_loss_weights runs before the loss"
+    loss = scaled_loss(per_token, mask, policy_loss.token_values(batch.loss_weights, seg))
     num_tokens = mask.sum()
     with torch.no_grad():
         metrics = {
@@ -141,28 +145,3 @@ def grpo_loss(
             "is_rejected": rejected.sum(),
         }
     return loss, num_tokens.to(torch.int), metrics
-
-
-def compute_logprobs(
-    model: list,
-    ctx: ParallelContext,
-    micro_batches: list[dict[str, Any]],
-    *,
-    vocab_size: int,
-    key: str = "old_logprobs",
-) -> None:
-    """Forward-only pass storing per-token log-probs in each micro-batch under ``key``.
-
-    Only the last pipeline stage ends up holding them, which is where the
-    loss needs them.
-    """
-
-    def store(batch: dict[str, Any], logits: Tensor):
-        logp, _ = vocab_parallel_logprobs(
-            logits, batch["targets"], tp_group=ctx.tp_group, vocab_size=vocab_size
-        )
-        batch[key] = logp.detach() * batch["loss_mask"]
-        return logits.new_zeros(()), torch.tensor(0, dtype=torch.int), {}
-
-    with torch.no_grad():
-        run_schedule(model, ctx, micro_batches, store, forward_only=True)

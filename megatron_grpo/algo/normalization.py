@@ -1,7 +1,7 @@
 """Loss normalization: global denominators and per-sequence weights.
 
-Every objective is written J = sum_i sum_t w_i l_{i,t} (DESIGN.md, "The loss
-contract"), with w_i one of:
+Every objective is written J = sum_i sum_t w_i l_{i,t} (docs/loss_normalization.md),
+with w_i one of:
 
     token-mean               1 / T
     seq-mean-token-mean      1 / (N n_i)

@@ -55,6 +55,12 @@ def segment_sum(values: Tensor, seg: Tensor, num_segments: int) -> Tensor:
     return out.index_add(0, seg[keep], values[keep])
 
 
+def token_values(per_seq: Tensor, seg: Tensor) -> Tensor:
+    """Broadcast a per-sample vector [n] onto positions [B, S] (0 on padding)."""
+    out = per_seq[seg.clamp(min=0)]
+    return torch.where(seg >= 0, out, torch.zeros_like(out))
+
+
 def gspo_log_ratio(log_ratio: Tensor, mask: Tensor, seg: Tensor, num_seqs: int) -> Tensor:
     """GSPO's sequence-level log-ratio, broadcast to tokens with a per-token gradient.
 
@@ -66,7 +72,7 @@ def gspo_log_ratio(log_ratio: Tensor, mask: Tensor, seg: Tensor, num_seqs: int) 
     total = segment_sum(log_ratio * mask, seg, num_seqs)
     count = segment_sum(mask, seg, num_seqs)
     seq = (total / count.clamp(min=1)).detach()
-    per_token = torch.where(seg >= 0, seq[seg.clamp(min=0)], torch.zeros_like(log_ratio))
+    per_token = token_values(seq, seg)
     return per_token + log_ratio - log_ratio.detach()
 
 
@@ -110,7 +116,7 @@ def importance_weights(
     log_w = (old_logp - rollout_logp).detach() * mask
     if level == "sequence":
         per_seq = segment_sum(log_w, seg, num_seqs)
-        log_w = torch.where(seg >= 0, per_seq[seg.clamp(min=0)], torch.zeros_like(log_w))
+        log_w = token_values(per_seq, seg)
     elif level != "token":
         raise ValueError(f"unknown importance-sampling level {level!r}")
     w = log_w.exp()

@@ -13,18 +13,24 @@ from typing import Any
 
 import torch.distributed as dist
 
+from megatron_grpo.mcore.model import unwrap
 from megatron_grpo.mcore.parallel import ParallelContext
+
+
+def _model_keys(model: list) -> list[str]:
+    """The state-dict entry of each chunk: ``model``, or ``model0``, ``model1``, ... with VPP."""
+    return ["model"] if len(model) == 1 else [f"model{i}" for i in range(len(model))]
 
 
 def model_sharded_state_dict(model: list) -> dict[str, Any]:
     """The model's sharded state dict; one entry per virtual pipeline chunk."""
-    if len(model) == 1:
-        return {"model": _unwrap(model[0]).sharded_state_dict()}
-    return {f"model{i}": _unwrap(c).sharded_state_dict() for i, c in enumerate(model)}
+    return {key: unwrap(c).sharded_state_dict() for key, c in zip(_model_keys(model), model)}
 
 
-def _unwrap(chunk):
-    return getattr(chunk, "module", chunk)
+def load_model_state(model: list, loaded: dict[str, Any]) -> None:
+    """Copy the chunks' entries of a loaded state dict into the model."""
+    for key, chunk in zip(_model_keys(model), model):
+        unwrap(chunk).load_state_dict(loaded[key])
 
 
 def save(state: dict[str, Any], path: str | Path, ctx: ParallelContext) -> Path:
@@ -61,9 +67,4 @@ def save_model(model: list, path: str | Path, ctx: ParallelContext) -> Path:
 
 
 def load_model(model: list, path: str | Path) -> None:
-    loaded = load(model_sharded_state_dict(model), path)
-    if len(model) == 1:
-        _unwrap(model[0]).load_state_dict(loaded["model"])
-    else:
-        for i, chunk in enumerate(model):
-            _unwrap(chunk).load_state_dict(loaded[f"model{i}"])
+    load_model_state(model, load(model_sharded_state_dict(model), path))

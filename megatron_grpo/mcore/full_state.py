@@ -39,6 +39,7 @@ from megatron_grpo.convert.weights import (
     with_layer_index,
 )
 from megatron_grpo.mcore.checkpoint import model_sharded_state_dict
+from megatron_grpo.mcore.model import unwrap
 from megatron_grpo.mcore.parallel import ParallelContext
 
 _VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
@@ -122,18 +123,11 @@ def gather_full_state(
     return out
 
 
-def _unwrap(model_chunk: torch.nn.Module) -> torch.nn.Module:
-    """The GPTModel inside DDP / Float16Module wrappers."""
-    while hasattr(model_chunk, "module"):
-        model_chunk = model_chunk.module  # type: ignore[assignment]
-    return model_chunk
-
-
 def _chunk_params(
     model_chunk: torch.nn.Module, cfg: ModelConfig, ctx: ParallelContext
 ) -> dict[str, Tensor]:
     """A chunk's parameters under global, local-spec names (``_extra_state`` left out)."""
-    model = _unwrap(model_chunk)
+    model = unwrap(model_chunk)
     vp_stage = getattr(model, "vp_stage", None) or 0
     layers = chunk_layer_range(cfg.num_layers, ctx.pp_rank, ctx.dims.pp, vp_stage, ctx.dims.vpp)
     params = {}

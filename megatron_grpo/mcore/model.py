@@ -4,16 +4,16 @@ The local (pure PyTorch) layer spec is used when Transformer Engine is not
 importable, the Transformer Engine spec when it is. The model is wrapped in
 megatron-core DistributedDataParallel over the layout's process groups.
 
-Loss normalization is owned by ``megatron_grpo.algo.loss`` (see
-``scaling_contract``): the model config set here leaves megatron-core's own
-per-micro-batch and per-DP-rank averaging switched off
-(``calculate_per_token_loss=True``) so that the loss function alone decides
-the scale of the gradient.
+Loss normalization is owned by ``megatron_grpo.algo.loss`` (``scaled_loss``):
+the model config set here leaves megatron-core's own per-micro-batch and
+per-DP-rank averaging switched off (``calculate_per_token_loss=True``) so that
+the loss function alone decides the scale of the gradient.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +22,13 @@ from megatron_grpo.config import ModelConfig
 from megatron_grpo.mcore.parallel import ParallelContext
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def unwrap(chunk: torch.nn.Module) -> Any:
+    """The GPTModel inside a chunk's wrappers (DDP, Float16Module)."""
+    while hasattr(chunk, "module"):
+        chunk = chunk.module  # type: ignore[assignment]
+    return chunk
 
 
 def have_transformer_engine() -> bool:
@@ -88,7 +95,7 @@ def _finalize_grads(model, num_tokens=None, pg_collection=None, force_all_reduce
 
     The schedule passes the summed per-micro-batch token counts when
     ``calculate_per_token_loss`` is set; our loss is already scaled by the
-    global denominator, so that count is not applied (see loss.scaling_contract).
+    global denominator, so that count is not applied (see ``algo.loss``).
     """
     from megatron.core.distributed import finalize_model_grads
 

@@ -11,21 +11,48 @@ gradient is the sum over micro-batches and DP ranks of d(loss)/d(params).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
 
 import torch
 
 from megatron_grpo.mcore.parallel import ParallelContext
 
-LossFn = Callable[[dict[str, Any], torch.Tensor], tuple[torch.Tensor, torch.Tensor, dict]]
+
+class ModelInput(Protocol):
+    """What the model reads from a micro-batch."""
+
+    tokens: torch.Tensor
+    position_ids: torch.Tensor
+    attention_mask: torch.Tensor | None
+
+
+@dataclass
+class TokenBatch:
+    """Rows of tokens, each one sequence from position 0, with plain causal attention."""
+
+    tokens: torch.Tensor
+    """[B, S] int64."""
+    position_ids: torch.Tensor
+    """[B, S] int64."""
+    attention_mask: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, tokens: torch.Tensor) -> TokenBatch:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        return cls(tokens, positions.unsqueeze(0).expand_as(tokens))
+
+
+Batch = TypeVar("Batch", bound=ModelInput)
+LossFn = Callable[[Batch, torch.Tensor], tuple[torch.Tensor, torch.Tensor, dict]]
 
 
 def run_schedule(
     model: list,
     ctx: ParallelContext,
-    micro_batches: list[dict[str, Any]],
-    loss_fn: LossFn,
+    micro_batches: Sequence[Batch],
+    loss_fn: LossFn[Batch],
     *,
     forward_only: bool = False,
 ) -> list[dict]:
@@ -42,7 +69,7 @@ def run_schedule(
 
     def forward_step(data_iterator, chunk):
         batch = next(data_iterator)
-        logits = chunk(batch["tokens"], batch["position_ids"], batch.get("attention_mask"))
+        logits = chunk(batch.tokens, batch.position_ids, batch.attention_mask)
         return logits, lambda output: loss_fn(batch, output)
 
     num_chunks = len(model)
@@ -55,8 +82,8 @@ def run_schedule(
         data_iterator=iterators,
         model=model if num_chunks > 1 else model[0],
         num_microbatches=len(micro_batches),
-        seq_length=max(mb["tokens"].shape[1] for mb in micro_batches),
-        micro_batch_size=micro_batches[0]["tokens"].shape[0],
+        seq_length=max(mb.tokens.shape[1] for mb in micro_batches),
+        micro_batch_size=micro_batches[0].tokens.shape[0],
         forward_only=forward_only,
         p2p_communicator=P2PCommunicator(pp_group=ctx.pp_group, config=config),
         pg_collection=ctx.pg,

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -124,3 +125,16 @@ def naive_padding_fraction(lengths: Sequence[int], micro_batch_size: int) -> flo
     width = max(lengths)
     num_mb = -(-len(lengths) // micro_batch_size)
     return 1.0 - sum(lengths) / (width * micro_batch_size * num_mb)
+
+
+def split_evenly(items: Sequence[Any], parts: int) -> list[list[Any]]:
+    """Split into ``parts`` contiguous runs whose sizes differ by at most one."""
+    if parts < 1 or len(items) < parts:
+        raise ValueError(f"cannot split {len(items)} items into {parts} non-empty parts")
+    base, extra = divmod(len(items), parts)
+    out, start = [], 0
+    for i in range(parts):
+        end = start + base + (1 if i < extra else 0)
+        out.append(list(items[start:end]))
+        start = end
+    return out

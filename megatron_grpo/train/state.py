@@ -95,9 +95,7 @@ def load(
     # checkpoint's common part on their own.
     state = _sharded_state(model, optimizer, ctx, is_loading=True, with_rng=same_world)
     loaded = checkpoint.load(state, path)
-    for i, chunk in enumerate(model):
-        key = "model" if len(model) == 1 else f"model{i}"
-        getattr(chunk, "module", chunk).load_state_dict(loaded[key])
+    checkpoint.load_model_state(model, loaded)
     optimizer.load_state_dict(loaded["optimizer"])
     scheduler.load_state_dict(loaded["scheduler"])
     if same_world:

@@ -1,28 +1,37 @@
-"""Optimizer steps on one rollout batch.
+"""Optimizer steps on one rollout batch: the step function of the project.
+
+The trainer, ``check-invariance`` and the benchmarks all run these functions,
+so a check vouches for the code that trains.
 
 The rollout batch (every sample of one RL step, identical on all ranks) is
 cut into global batches of ``global_batch_size`` samples, one optimizer step
-each. Before any step, the behaviour policy's log-probs ("old") and the
-reference model's are computed once, forward only. Then ``num_iterations``
-(mu) passes run over the global batches. The loss denominators of a global
-batch are computed once (one DP all-reduce) and reused by every pass.
+each. Each global batch is planned into this rank's micro-batches
+(``plan_micro_batches``: the DP split and token budget of ``train.plan``).
+Before any step, the behaviour policy's log-probs ("old") and the reference
+model's are computed once, forward only, and the loss weights w_i of each
+global batch are set from its global counts (one DP all-reduce), reused by
+every pass. Then ``num_iterations`` (mu) passes run over the global batches,
+one ``optimizer_step`` each.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
-from megatron_grpo.algo.batch import Sample, collate
-from megatron_grpo.algo.loss import METRIC_SUMS, compute_logprobs, grpo_loss, set_loss_weights
+from megatron_grpo.algo.batch import MicroBatch, Sample, collate
+from megatron_grpo.algo.logprobs import vocab_parallel_logprobs
+from megatron_grpo.algo.loss import METRIC_SUMS, grpo_loss, set_loss_weights
 from megatron_grpo.config import LossConfig
 from megatron_grpo.mcore.device import compute_device
 from megatron_grpo.mcore.parallel import ParallelContext
-from megatron_grpo.mcore.schedule import run_schedule, zero_grads
+from megatron_grpo.mcore.schedule import LossFn, run_schedule, zero_grads
 from megatron_grpo.train.plan import plan
 
 
@@ -50,10 +59,17 @@ def global_batches(samples: list[Sample], size: int) -> list[list[Sample]]:
     return [samples[i : i + size] for i in range(0, len(samples), size)]
 
 
-def _micro_batches(batch: list[Sample], ctx: ParallelContext, s: StepSettings) -> list[dict]:
+def plan_micro_batches(
+    batch: list[Sample], ctx: ParallelContext, settings: StepSettings
+) -> list[MicroBatch]:
+    """This rank's micro-batches of one global batch, on the compute device.
+
+    Group ids are renumbered to be local to the global batch, whose groups are
+    what the loss modes count.
+    """
     groups = sorted({x.group for x in batch})
-    local_group = {g: i for i, g in enumerate(groups)}  # group ids local to this global batch
-    renumbered = [
+    local_group = {g: i for i, g in enumerate(groups)}
+    samples = [
         Sample(
             tokens=x.tokens,
             loss_mask=x.loss_mask,
@@ -65,21 +81,105 @@ def _micro_batches(batch: list[Sample], ctx: ParallelContext, s: StepSettings) -
         for x in batch
     ]
     p = plan(
-        [len(x) for x in renumbered],
+        [len(x) for x in samples],
         dp_size=ctx.dp_size,
-        max_tokens=s.max_tokens_per_micro_batch,
-        packed=s.pack,
+        max_tokens=settings.max_tokens_per_micro_batch,
+        packed=settings.pack,
     )
-    mbs = [
-        collate([[renumbered[i] for i in row] for row in mb]) for mb in p.micro_batches(ctx.dp_rank)
+    device = compute_device()
+    return [
+        collate([[samples[i] for i in row] for row in mb], num_groups=len(groups)).to(device)
+        for mb in p.micro_batches(ctx.dp_rank)
     ]
-    dev = compute_device()
-    for mb in mbs:
-        for key, value in mb.items():
-            if isinstance(value, torch.Tensor):
-                mb[key] = value.to(dev)
-        mb["num_groups"] = len(groups)
-    return mbs
+
+
+def forward_logprobs(
+    model: list, ctx: ParallelContext, micro_batches: list[MicroBatch], *, vocab_size: int
+) -> list[Tensor]:
+    """Per-token log-probs of each micro-batch (0 off the loss tokens), forward only.
+
+    Only the last pipeline stage computes them (where the loss needs them); the
+    other stages get an empty list.
+    """
+    out: dict[int, Tensor] = {}
+
+    def store(batch: MicroBatch, logits: Tensor):
+        logp, _ = vocab_parallel_logprobs(
+            logits, batch.targets, tp_group=ctx.tp_group, vocab_size=vocab_size
+        )
+        out[id(batch)] = logp.detach() * batch.loss_mask
+        return logits.new_zeros(()), torch.tensor(0, dtype=torch.int), {}
+
+    with torch.no_grad():
+        run_schedule(model, ctx, micro_batches, store, forward_only=True)
+    return [out[id(mb)] for mb in micro_batches] if ctx.is_last_stage else []
+
+
+def prepare_global_batch(
+    model: list,
+    ctx: ParallelContext,
+    micro_batches: list[MicroBatch],
+    loss_cfg: LossConfig,
+    settings: StepSettings,
+    *,
+    freeze_old: bool,
+    ref_model: list | None = None,
+) -> None:
+    """What the loss needs before the first optimizer step on a global batch.
+
+    ``freeze_old``: the policy moves between this batch's steps (mu > 1 or
+    several global batches), so the behaviour log-probs are computed now.
+    """
+    if freeze_old:
+        for mb, logp in zip(
+            micro_batches,
+            forward_logprobs(model, ctx, micro_batches, vocab_size=settings.vocab_size),
+        ):
+            mb.old_logprobs = logp
+    if ref_model is not None:
+        for mb, logp in zip(
+            micro_batches,
+            forward_logprobs(ref_model, ctx, micro_batches, vocab_size=settings.vocab_size),
+        ):
+            mb.ref_logprobs = logp
+    if ctx.is_last_stage:
+        set_loss_weights(
+            micro_batches,
+            loss_cfg,
+            group=ctx.dp_cp_group,
+            device=compute_device(),
+            count_here=ctx.cp_rank == 0,
+            max_len=settings.max_len,
+        )
+
+
+def optimizer_step(
+    model: list,
+    optimizer,
+    scheduler,
+    ctx: ParallelContext,
+    micro_batches: list[MicroBatch],
+    loss_fn: LossFn[MicroBatch],
+    *,
+    on_gradients: Callable[[], None] | None = None,
+) -> dict[str, float]:
+    """One optimizer step on one global batch; its metrics, the same on every rank.
+
+    ``on_gradients`` runs on every rank after the backward passes and the DP
+    reduction, before the optimizer consumes the gradients (check-invariance
+    reads them there).
+    """
+    zero_grads(model)
+    optimizer.zero_grad()
+    per_mb = run_schedule(model, ctx, micro_batches, loss_fn)
+    if on_gradients is not None:
+        on_gradients()
+    _, grad_norm, _ = optimizer.step()
+    scheduler.step(1)
+    metrics = reduce_metrics(per_mb, ctx)
+    metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+    metrics["lr"] = float(optimizer.param_groups[0]["lr"])
+    return metrics
 
 
 def train_on_rollout(
@@ -92,39 +192,26 @@ def train_on_rollout(
     settings: StepSettings,
     *,
     ref_model: list | None = None,
+    on_gradients: Callable[[], None] | None = None,
 ) -> list[dict[str, float]]:
     """All optimizer steps of one rollout batch; metrics per step (same on every rank)."""
     batches = [
-        _micro_batches(b, ctx, settings)
+        plan_micro_batches(b, ctx, settings)
         for b in global_batches(samples, settings.global_batch_size)
     ]
-    needs_old = settings.num_iterations > 1 or len(batches) > 1
+    freeze_old = settings.num_iterations > 1 or len(batches) > 1
     for mbs in batches:
-        if needs_old:  # the policy moves between steps: freeze the behaviour log-probs first
-            compute_logprobs(model, ctx, mbs, vocab_size=settings.vocab_size)
-        if ref_model is not None:
-            compute_logprobs(
-                ref_model, ctx, mbs, vocab_size=settings.vocab_size, key="ref_logprobs"
-            )
-        set_loss_weights(
-            mbs, loss_cfg, ctx, num_groups=mbs[0]["num_groups"], max_len=settings.max_len
+        prepare_global_batch(
+            model, ctx, mbs, loss_cfg, settings, freeze_old=freeze_old, ref_model=ref_model
         )
     loss_fn = functools.partial(
         grpo_loss, cfg=loss_cfg, tp_group=ctx.tp_group, vocab_size=settings.vocab_size
     )
-    history = []
-    for _ in range(settings.num_iterations):
-        for mbs in batches:
-            zero_grads(model)
-            optimizer.zero_grad()
-            per_mb = run_schedule(model, ctx, mbs, loss_fn)
-            _, grad_norm, _ = optimizer.step()
-            scheduler.step(1)
-            metrics = reduce_metrics(per_mb, ctx)
-            metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
-            metrics["lr"] = float(optimizer.param_groups[0]["lr"])
-            history.append(metrics)
-    return history
+    return [
+        optimizer_step(model, optimizer, scheduler, ctx, mbs, loss_fn, on_gradients=on_gradients)
+        for _ in range(settings.num_iterations)
+        for mbs in batches
+    ]
 
 
 def reduce_metrics(per_mb: list[dict[str, Any]], ctx: ParallelContext) -> dict[str, float]:

@@ -37,7 +37,7 @@ def test_weights_agree_with_the_single_process_computation(dp2_tp2_pp2):
     from megatron_grpo.algo.normalization import global_counts, sequence_weights
     from megatron_grpo.commands.invariance import GROUP_SIZES, MAX_COMPLETION, fixed_batch
 
-    samples, _ = fixed_batch(vocab_size=100)
+    samples = fixed_batch(vocab_size=100)
     n = torch.tensor([float(s.num_loss_tokens) for s in samples])
     g = torch.tensor([s.group for s in samples])
     counts = global_counts(n, g, len(GROUP_SIZES), group=None)
@@ -48,6 +48,7 @@ def test_weights_agree_with_the_single_process_computation(dp2_tp2_pp2):
             for sid, w in zip(r["sample_ids"].tolist(), r["weights"].tolist()):
                 seen.setdefault(sid, set()).add(w)
     assert sorted(seen) == list(range(len(samples)))
+    assert max(r["num_micro_batches"] for r in dp2_tp2_pp2) > 1  # several micro-batches
     for sid, ws in seen.items():
         assert len(ws) == 1  # TP replicas agree
         assert ws.pop() == pytest.approx(float(expected[sid]), rel=1e-12)

@@ -10,7 +10,7 @@ from megatron_grpo.mcore import checkpoint
 from megatron_grpo.mcore.model import build_model
 from megatron_grpo.mcore.optim import build_optimizer
 from megatron_grpo.mcore.parallel import ParallelContext, init_parallel
-from megatron_grpo.mcore.schedule import run_schedule, zero_grads
+from megatron_grpo.mcore.schedule import TokenBatch, run_schedule, zero_grads
 
 MODEL = ModelConfig(
     num_layers=4,
@@ -29,11 +29,6 @@ def fixed_tokens(batch: int = 4, seq: int = 12) -> torch.Tensor:
     )
 
 
-def micro_batch(tokens: torch.Tensor) -> dict:
-    pos = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
-    return {"tokens": tokens, "position_ids": pos}
-
-
 def full_logits(model: list, ctx: ParallelContext, tokens: torch.Tensor) -> torch.Tensor | None:
     """Logits gathered over TP on the last stage (tests only); None elsewhere."""
     out: list[torch.Tensor] = []
@@ -45,7 +40,7 @@ def full_logits(model: list, ctx: ParallelContext, tokens: torch.Tensor) -> torc
         return logits.sum() * 0, torch.tensor(1), {}
 
     with torch.no_grad():
-        run_schedule(model, ctx, [micro_batch(tokens)], keep, forward_only=True)
+        run_schedule(model, ctx, [TokenBatch.of(tokens)], keep, forward_only=True)
     return out[0] if out else None
 
 
@@ -70,13 +65,13 @@ def train_steps(tp: int, pp: int, steps: int, ckpt: str) -> dict:
     optimizer, scheduler = build_optimizer(OptimConfig(lr=3e-3, clip_grad=1.0), MODEL, model, ctx)
     tokens = fixed_tokens(batch=8)
     shard = tokens.chunk(ctx.dp_size)[ctx.dp_rank]
-    micro_batches = [micro_batch(t) for t in shard.chunk(2)]
+    micro_batches = [TokenBatch.of(t) for t in shard.chunk(2)]
     num_targets = tokens.shape[0] * (tokens.shape[1] - 1)
 
     def ce(batch, logits):
         logp, _ = vocab_parallel_logprobs(
             logits[:, :-1],
-            batch["tokens"][:, 1:],
+            batch.tokens[:, 1:],
             tp_group=ctx.tp_group,
             vocab_size=MODEL.vocab_size,
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -9,71 +10,108 @@ import torch.distributed as dist
 
 
 def planted_bug_layout(*, bug: str, **kwargs):
-    """run_layout with a normalization bug that peers shipped, to show the check catches it."""
+    """run_layout with a bug planted in the trainer's code, to show the check catches it.
+
+    The normalization bugs are ones peers shipped; the planner bug deals one sample
+    to two DP ranks.
+    """
     import megatron_grpo.algo.loss as loss
+    import megatron_grpo.train.plan as planner
+    import megatron_grpo.train.step as step
     from megatron_grpo.commands.invariance import run_layout
 
     if bug == "local-denominator":  # verl#5625, open-instruct#1161, prime-rl#583
         original = loss.global_counts
 
-        def local_counts(seq_tokens, group_ids, num_groups, *, group, count_here=True):
-            return original(seq_tokens, group_ids, num_groups, group=None, count_here=count_here)
+        def local_counts(seq_tokens, group_ids, num_groups, *, group, **kw):
+            return original(seq_tokens, group_ids, num_groups, group=None, **kw)
 
         loss.global_counts = local_counts
     elif bug == "uncancelled-microbatch-mean":  # AReaL#1273: loss / M left in the gradient
         original_scaled = loss.scaled_loss
         num_mb = {"n": 1}
-        original_set = loss.set_loss_weights
+        original_set = step.set_loss_weights
 
         def remember(micro_batches, *args, **kw):
             num_mb["n"] = len(micro_batches)
             return original_set(micro_batches, *args, **kw)
 
-        loss.set_loss_weights = remember
+        step.set_loss_weights = remember
         loss.scaled_loss = lambda *a: original_scaled(*a) / num_mb["n"]
+    elif bug == "planner-duplicates-sample":
+        original_balance = planner.balance
+
+        def balance(lengths, dp_size):
+            ranks = original_balance(lengths, dp_size)
+            if dp_size > 1:
+                ranks[-1] = sorted(ranks[-1] + [ranks[0][0]])
+            return ranks
+
+        planner.balance = balance
     else:
         raise ValueError(bug)
-    import megatron_grpo.commands.invariance as inv
-
-    inv.set_loss_weights = loss.set_loss_weights  # type: ignore[attr-defined]
     return run_layout(**kwargs)
 
 
 def denominator_collectives(tp: int, pp: int) -> dict:
-    """Count the collectives spent on the denominator path, and check TP log-probs."""
-    from megatron_grpo.algo.batch import micro_batches_for_rank
-    from megatron_grpo.algo.logprobs import vocab_parallel_logprobs
-    from megatron_grpo.algo.loss import set_loss_weights
-    from megatron_grpo.commands.invariance import (
-        GROUP_SIZES,
-        MAX_COMPLETION,
-        default_loss,
-        fixed_batch,
-    )
+    """Count the collectives the trainer spends before its first optimizer step (the
+    denominators, with no old or reference log-probs to freeze), and check TP log-probs."""
+    from megatron_grpo.commands.invariance import MAX_COMPLETION, default_loss, fixed_batch
     from megatron_grpo.config import ParallelDims
     from megatron_grpo.mcore.parallel import init_parallel
+    from megatron_grpo.train.step import StepSettings, plan_micro_batches, prepare_global_batch
 
     ctx = init_parallel(ParallelDims(tp=tp, pp=pp))
-    samples, _ = fixed_batch(vocab_size=100)
-    mbs = micro_batches_for_rank(
-        samples, dp_size=ctx.dp_size, dp_rank=ctx.dp_rank, num_micro_batches=3
+    samples = fixed_batch(vocab_size=100)
+    settings = StepSettings(
+        global_batch_size=len(samples),
+        num_iterations=1,
+        max_tokens_per_micro_batch=40,
+        pack=False,
+        vocab_size=100,
+        max_len=MAX_COMPLETION,
     )
+    mbs = plan_micro_batches(samples, ctx, settings)
 
     calls: list[tuple[str, list[int]]] = []
-    names = (
-        "all_reduce",
-        "all_gather",
-        "all_gather_into_tensor",
-        "broadcast",
-        "reduce",
-        "reduce_scatter",
-        "all_gather_object",
-        "broadcast_object_list",
-        "send",
-        "recv",
-        "barrier",
-    )
-    originals = {n: getattr(dist, n) for n in names}
+    with recording_collectives(calls):
+        prepare_global_batch(
+            [], ctx, mbs, default_loss("group-seq-mean"), settings, freeze_old=False
+        )
+    weights = torch.cat([mb.loss_weights for mb in mbs]) if ctx.is_last_stage else None
+    return {
+        "rank": ctx.rank,
+        "last": ctx.is_last_stage,
+        "calls": calls,
+        "dp_cp_ranks": dist.get_process_group_ranks(ctx.dp_cp_group),
+        "tp_ranks": dist.get_process_group_ranks(ctx.tp_group),
+        "pp_ranks": dist.get_process_group_ranks(ctx.pp_group),
+        "weights": weights,
+        "num_micro_batches": len(mbs),
+        "sample_ids": torch.cat([mb.sample_ids for mb in mbs]),
+        **tp_logprob_errors(ctx, tp),
+    }
+
+
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "broadcast",
+    "reduce",
+    "reduce_scatter",
+    "all_gather_object",
+    "broadcast_object_list",
+    "send",
+    "recv",
+    "barrier",
+)
+
+
+@contextlib.contextmanager
+def recording_collectives(calls: list[tuple[str, list[int]]]):
+    """Append (collective, ranks of its group) to ``calls`` for each call made inside."""
+    originals = {n: getattr(dist, n) for n in COLLECTIVES}
 
     def spy(name):
         def call(*args, **kwargs):
@@ -88,22 +126,20 @@ def denominator_collectives(tp: int, pp: int) -> dict:
 
         return call
 
-    for n in names:
+    for n in COLLECTIVES:
         setattr(dist, n, spy(n))
     try:
-        set_loss_weights(
-            mbs,
-            default_loss("group-seq-mean"),
-            ctx,
-            num_groups=len(GROUP_SIZES),
-            max_len=MAX_COMPLETION,
-        )
+        yield
     finally:
         for n, f in originals.items():
             setattr(dist, n, f)
-    weights = torch.cat([mb["loss_weights"] for mb in mbs]) if ctx.is_last_stage else None
 
-    # Vocab-parallel log-probs and entropy against a single-process log_softmax, with gradients.
+
+def tp_logprob_errors(ctx, tp: int) -> dict[str, float]:
+    """Vocab-parallel log-probs and entropy against a single-process log_softmax, with
+    gradients: the largest differences."""
+    from megatron_grpo.algo.logprobs import vocab_parallel_logprobs
+
     g = torch.Generator().manual_seed(0)
     full = torch.randn(3, 5, 24, generator=g)
     targets = torch.randint(0, 21, (3, 5), generator=g)
@@ -118,14 +154,6 @@ def denominator_collectives(tp: int, pp: int) -> dict:
     ref_ent = -(ref.exp() * ref).sum(-1)
     (ref_logp.sum() + 0.5 * ref_ent.sum()).backward()
     return {
-        "rank": ctx.rank,
-        "last": ctx.is_last_stage,
-        "calls": calls,
-        "dp_cp_ranks": dist.get_process_group_ranks(ctx.dp_cp_group),
-        "tp_ranks": dist.get_process_group_ranks(ctx.tp_group),
-        "pp_ranks": dist.get_process_group_ranks(ctx.pp_group),
-        "weights": weights,
-        "sample_ids": torch.cat([mb["sample_ids"] for mb in mbs]),
         "logp_err": float((logp - ref_logp).abs().max()),
         "ent_err": float((ent - ref_ent).abs().max()),
         "grad_err": float((local.grad - ref_in.grad.chunk(tp, dim=-1)[ctx.tp_rank]).abs().max()),

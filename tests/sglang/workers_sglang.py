@@ -30,7 +30,7 @@ METHODS = ("disk", "tensor", "distributed")
 def _learner_forward(model: list, ctx, tokens: list[int], vocab_size: int) -> dict[str, Any]:
     """Per-position logprob of the next token and argmax, from one forward pass."""
     from megatron_grpo.algo.logprobs import vocab_parallel_logprobs
-    from megatron_grpo.mcore.schedule import run_schedule
+    from megatron_grpo.mcore.schedule import TokenBatch, run_schedule
 
     ids = torch.tensor([tokens])
     targets = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1)
@@ -38,7 +38,7 @@ def _learner_forward(model: list, ctx, tokens: list[int], vocab_size: int) -> di
 
     def keep(batch, logits):
         logp, _ = vocab_parallel_logprobs(
-            logits, batch["targets"], tp_group=ctx.tp_group, vocab_size=vocab_size
+            logits, targets, tp_group=ctx.tp_group, vocab_size=vocab_size
         )
         parts = [torch.empty_like(logits) for _ in range(ctx.dims.tp)]
         dist.all_gather(parts, logits.contiguous(), group=ctx.tp_group)
@@ -47,9 +47,8 @@ def _learner_forward(model: list, ctx, tokens: list[int], vocab_size: int) -> di
         out["argmax"] = full[0].argmax(dim=-1)
         return logits.sum() * 0, torch.tensor(1), {}
 
-    batch = {"tokens": ids, "position_ids": torch.arange(ids.shape[1])[None], "targets": targets}
     with torch.no_grad():
-        run_schedule(model, ctx, [batch], keep, forward_only=True)
+        run_schedule(model, ctx, [TokenBatch.of(ids)], keep, forward_only=True)
     return out
 
 

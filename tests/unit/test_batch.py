@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from megatron_grpo.algo.batch import Sample, collate, micro_batches_for_rank, split_evenly
+from megatron_grpo.algo.batch import Sample, collate
+from megatron_grpo.train.plan import split_evenly
 
 
 def sample(i, tokens, mask, adv=1.0, group=0):
@@ -17,28 +18,29 @@ def sample(i, tokens, mask, adv=1.0, group=0):
 def test_collate_shifts_onto_logit_positions_and_pads():
     a = sample(0, [5, 6, 7, 8], [0, 0, 1, 1], adv=2.0)
     b = sample(1, [9, 3, 4], [0, 1, 0], adv=-1.0, group=1)
-    batch = collate([[a], [b]])
-    assert batch["tokens"].tolist() == [[5, 6, 7, 8], [9, 3, 4, 0]]
-    assert batch["targets"].tolist() == [[6, 7, 8, 0], [3, 4, 0, 0]]
+    batch = collate([[a], [b]], num_groups=2)
+    assert batch.tokens.tolist() == [[5, 6, 7, 8], [9, 3, 4, 0]]
+    assert batch.targets.tolist() == [[6, 7, 8, 0], [3, 4, 0, 0]]
     # position t predicts token t + 1, so the mask moves one step left
-    assert batch["loss_mask"].tolist() == [[0, 1, 1, 0], [1, 0, 0, 0]]
-    assert batch["advantages"].tolist() == [[0, 2, 2, 0], [-1, 0, 0, 0]]
-    assert batch["seq_tokens"].tolist() == [2, 1]
-    assert batch["group_ids"].tolist() == [0, 1]
-    assert batch["seg"].tolist() == [[0, 0, 0, 0], [1, 1, 1, -1]]
-    assert "attention_mask" not in batch
+    assert batch.loss_mask.tolist() == [[0, 1, 1, 0], [1, 0, 0, 0]]
+    assert batch.advantages.tolist() == [[0, 2, 2, 0], [-1, 0, 0, 0]]
+    assert batch.seq_tokens.tolist() == [2, 1]
+    assert batch.group_ids.tolist() == [0, 1]
+    assert batch.seg.tolist() == [[0, 0, 0, 0], [1, 1, 1, -1]]
+    assert batch.attention_mask is None and batch.rollout_logprobs is None
+    assert batch.num_samples == 2 and batch.num_groups == 2
 
 
 def test_packed_row_restarts_positions_and_blocks_attention():
     a = sample(0, [5, 6, 7], [0, 1, 1])
     b = sample(1, [9, 3], [0, 1])
-    batch = collate([[a, b]])
-    assert batch["tokens"].tolist() == [[5, 6, 7, 9, 3]]
-    assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1]]
-    assert batch["targets"].tolist() == [[6, 7, 0, 3, 0]]  # no target across samples
-    assert batch["loss_mask"].tolist() == [[1, 1, 0, 1, 0]]
-    assert batch["seg"].tolist() == [[0, 0, 0, 1, 1]]
-    blocked = batch["attention_mask"][0, 0]
+    batch = collate([[a, b]], num_groups=1)
+    assert batch.tokens.tolist() == [[5, 6, 7, 9, 3]]
+    assert batch.position_ids.tolist() == [[0, 1, 2, 0, 1]]
+    assert batch.targets.tolist() == [[6, 7, 0, 3, 0]]  # no target across samples
+    assert batch.loss_mask.tolist() == [[1, 1, 0, 1, 0]]
+    assert batch.seg.tolist() == [[0, 0, 0, 1, 1]]
+    blocked = batch.attention_mask[0, 0]
     allowed = (~blocked).int().tolist()
     assert allowed == [
         [1, 0, 0, 0, 0],
@@ -56,12 +58,17 @@ def test_sample_validation_names_the_sample():
         sample(4, [1, 2, 3], [0, 1])
 
 
-def test_split_evenly_and_rank_shares():
+def test_split_evenly():
     assert split_evenly(list(range(7)), 3) == [[0, 1, 2], [3, 4], [5, 6]]
     with pytest.raises(ValueError, match="cannot split 2 items into 3"):
         split_evenly([1, 2], 3)
-    samples = [sample(i, [1, 2, 3], [0, 1, 1]) for i in range(8)]
-    mbs = micro_batches_for_rank(samples, dp_size=2, dp_rank=1, num_micro_batches=2)
-    assert [mb["sample_ids"].tolist() for mb in mbs] == [[4, 5], [6, 7]]
-    packed = micro_batches_for_rank(samples, dp_size=2, dp_rank=1, num_micro_batches=2, pack=True)
-    assert [mb["tokens"].shape for mb in packed] == [(1, 6), (1, 6)]
+
+
+def test_micro_batch_moves_positions_and_keeps_per_sample_vectors():
+    a = sample(0, [5, 6, 7], [0, 1, 1])
+    batch = collate([[a]], num_groups=1)
+    batch.loss_weights = torch.tensor([0.5])
+    moved = batch.to(torch.device("meta"))
+    assert moved.tokens.device.type == "meta" and moved.seg.device.type == "meta"
+    assert moved.seq_tokens.device.type == "cpu" and moved.loss_weights.device.type == "cpu"
+    assert batch.tokens.device.type == "cpu"  # the original is unchanged

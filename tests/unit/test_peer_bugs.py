@@ -41,8 +41,8 @@ def test_tool_output_is_not_counted_trl_6439_slime_365():
         group=0,
         sample_id=0,
     )
-    assert collate([[s]])["seq_tokens"].tolist() == [3.0]
-    assert local_counts(collate([[s]])["seq_tokens"], torch.tensor([0]), 1)[0] == 3
+    assert collate([[s]], num_groups=1).seq_tokens.tolist() == [3.0]
+    assert local_counts(collate([[s]], num_groups=1).seq_tokens, torch.tensor([0]), 1)[0] == 3
 
 
 @pytest.mark.parametrize("mode", MODES)
