@@ -49,7 +49,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import BENCH_DIR, Ratio, interleaved, machine, parser, ratios, seconds
+from _common import BENCH_DIR, Ratio, interleaved, machine, parser, ratios, seconds, tiny_model
+from _gpu_sglang import part_sglang
 
 PART_TIMEOUT_S = {"mfu": 210.0, "sglang": 230.0}
 """Per-part limits; with start-up they keep the whole run under 8 minutes (gpu.sh: 470 s)."""
@@ -79,16 +80,8 @@ def mfu_model(tiny: bool):
     from megatron_grpo.config import ModelConfig
 
     if tiny:
-        return ModelConfig(
-            num_layers=2,
-            hidden_size=64,
-            ffn_hidden_size=128,
-            num_attention_heads=4,
-            num_query_groups=2,
-            vocab_size=512,
-            max_position_embeddings=512,
-            qk_layernorm=True,
-            tie_embeddings=True,
+        return tiny_model(
+            vocab_size=512, max_position_embeddings=512, qk_layernorm=True, tie_embeddings=True
         )
     return ModelConfig(
         num_layers=28,
@@ -106,36 +99,32 @@ def mfu_model(tiny: bool):
     )
 
 
+def attention_dim(cfg) -> int:
+    """Query channels per layer: heads x head_dim."""
+    return cfg.num_attention_heads * (cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads)
+
+
 def matmul_params(cfg) -> int:
     """Parameters that take part in matmuls: every layer's, plus the output layer."""
-    d = cfg.num_attention_heads * (cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads)
+    d = attention_dim(cfg)
     kv = (cfg.num_query_groups or cfg.num_attention_heads) * (d // cfg.num_attention_heads)
     attention = cfg.hidden_size * (d + 2 * kv) + d * cfg.hidden_size
     mlp = 3 * cfg.hidden_size * cfg.ffn_hidden_size
     return cfg.num_layers * (attention + mlp) + cfg.vocab_size * cfg.hidden_size
 
 
-def part_mfu(args) -> dict[str, Any]:
-    import torch
-    from _workload import (
-        BatchShape,
-        Steps,
-        add_reference_logprobs,
-        full_loss_config,
-        make_samples,
-        micro_batches,
-        num_loss_tokens,
-        to_device,
+def model_flops(cfg, samples) -> int:
+    """6 N per token, plus causal attention over each sample's own length."""
+    tokens = sum(len(s) for s in samples)
+    return 6 * matmul_params(cfg) * tokens + sum(
+        6 * cfg.num_layers * attention_dim(cfg) * len(s) ** 2 for s in samples
     )
 
-    from megatron_grpo.config import OptimConfig, ParallelDims
-    from megatron_grpo.mcore import device
-    from megatron_grpo.mcore.model import build_model, have_transformer_engine
-    from megatron_grpo.mcore.optim import build_optimizer
-    from megatron_grpo.mcore.parallel import init_parallel
 
-    cfg = mfu_model(args.tiny)
-    shape = BatchShape(
+def mfu_batch_shape(args):
+    from _workload import BatchShape
+
+    return BatchShape(
         num_samples=16 if args.tiny else args.samples,
         group_size=8,
         prompt_len=(8, 32) if args.tiny else (128, 512),
@@ -143,26 +132,61 @@ def part_mfu(args) -> dict[str, Any]:
         max_tokens_per_micro_batch=256 if args.tiny else args.tokens_per_micro_batch,
         pack=False,
     )
+
+
+def part_mfu(args) -> dict[str, Any]:
+    cfg = mfu_model(args.tiny)
+    shape = mfu_batch_shape(args)
     t_start = time.perf_counter()
+    steps, samples = _mfu_steps(cfg, shape)
+    setup_s = time.perf_counter() - t_start
+    times = _time_steps(steps, repeats=args.repeats)
+    return _mfu_result(
+        cfg, shape, steps.mbs, samples, times, peak_override=args.peak_tflops, setup_s=setup_s
+    )
+
+
+def _mfu_steps(cfg, shape):
+    """The steps to time on one process, with the old and reference log-probs in place."""
+    from _workload import (
+        Steps,
+        add_reference_logprobs,
+        full_loss_config,
+        make_samples,
+        micro_batches,
+        num_loss_tokens,
+        settings,
+    )
+
+    from megatron_grpo.config import OptimConfig, ParallelDims
+    from megatron_grpo.mcore.model import build_model
+    from megatron_grpo.mcore.optim import build_optimizer
+    from megatron_grpo.mcore.parallel import init_parallel
+
     ctx = init_parallel(ParallelDims())
     model = build_model(cfg, ctx)
-    optimizer, _ = build_optimizer(OptimConfig(optimizer="adam", lr=1e-6), cfg, model, ctx)
+    optimizer, scheduler = build_optimizer(OptimConfig(optimizer="adam", lr=1e-6), cfg, model, ctx)
     samples = make_samples(shape, cfg.vocab_size)
-    mbs = micro_batches(samples, shape, ctx)
-    to_device(mbs, device.compute_device())
+    mbs = micro_batches(samples, shape, ctx, cfg.vocab_size)
     steps = Steps(
         model,
         optimizer,
+        scheduler,
         ctx,
         mbs,
         model_cfg=cfg,
         loss_cfg=full_loss_config(),
+        step_settings=settings(shape, cfg.vocab_size),
         total_loss_tokens=num_loss_tokens(samples),
-        max_len=shape.completion_len[1],
     )
     steps.old_logprobs()
     add_reference_logprobs(mbs)
-    build_s = time.perf_counter() - t_start
+    return steps, samples
+
+
+def _time_steps(steps, *, repeats: int):
+    """The GRPO step, the cross-entropy step and the old-logprob pass, interleaved."""
+    import torch
 
     def synced(fn):
         def run() -> None:
@@ -174,20 +198,26 @@ def part_mfu(args) -> dict[str, Any]:
 
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    times = interleaved(
+    return interleaved(
         {"grpo": synced(steps.grpo), "ce": synced(steps.ce), "old": synced(steps.old_logprobs)},
-        repeats=args.repeats,
+        repeats=repeats,
         warmup=1,
     )
+
+
+def _mfu_result(
+    cfg, shape, mbs, samples, times, *, peak_override: float | None, setup_s: float
+) -> dict[str, Any]:
+    import torch
+
+    from megatron_grpo.mcore.model import have_transformer_engine
+
     tokens = sum(len(s) for s in samples)
-    d = cfg.num_attention_heads * (cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads)
-    flops = 6 * matmul_params(cfg) * tokens + sum(
-        6 * cfg.num_layers * d * len(s) ** 2 for s in samples
-    )
+    flops = model_flops(cfg, samples)
     name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-    peak = peak_tflops(name, args.peak_tflops)
+    peak = peak_tflops(name, peak_override)
     step_s = statistics.median(t.wall for t in times["grpo"])
-    padded = sum(int(mb["tokens"].numel()) for mb in mbs)
+    padded = sum(int(mb.tokens.numel()) for mb in mbs)
     return {
         "device": name,
         "transformer_engine": have_transformer_engine(),
@@ -221,199 +251,7 @@ def part_mfu(args) -> dict[str, Any]:
         "max_memory_allocated_gb": torch.cuda.max_memory_allocated() / 1e9
         if torch.cuda.is_available()
         else None,
-        "setup_s": build_s,
-    }
-
-
-# --------------------------------------------------------------------------- part: sglang
-
-
-def sglang_model(tiny: bool):
-    """The served model's HF config, through the project's own ModelConfig -> HF mapping."""
-    from megatron_grpo.config import ModelConfig
-    from megatron_grpo.convert.hf_config import hf_config_from_model_config
-
-    if tiny:
-        cfg = ModelConfig(
-            num_layers=2,
-            hidden_size=64,
-            ffn_hidden_size=128,
-            num_attention_heads=4,
-            num_query_groups=2,
-            vocab_size=512,
-            max_position_embeddings=1024,
-            qk_layernorm=True,
-            tie_embeddings=True,
-        )
-    else:  # Qwen3-0.6B's shape
-        cfg = ModelConfig(
-            num_layers=28,
-            hidden_size=1024,
-            ffn_hidden_size=3072,
-            num_attention_heads=16,
-            num_query_groups=8,
-            head_dim=128,
-            vocab_size=151936,
-            max_position_embeddings=4096,
-            rotary_base=1000000.0,
-            qk_layernorm=True,
-            tie_embeddings=True,
-        )
-    return hf_config_from_model_config(cfg, "qwen3")
-
-
-def sglang_importable(python: str) -> tuple[bool, str]:
-    try:
-        done = subprocess.run(
-            [python, "-c", "import sglang.launch_server"],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-    except (OSError, subprocess.TimeoutExpired) as err:
-        return False, str(err)
-    return done.returncode == 0, done.stderr[-2000:]
-
-
-def part_sglang(args) -> dict[str, Any]:
-    import asyncio
-    import shutil
-
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from megatron_grpo.rollout.servers import LaunchConfig, launch_servers
-
-    python = os.environ.get("SGLANG_PYTHON", sys.executable)
-    ok, why = sglang_importable(python)
-    if not ok:
-        return {"sglang": "sglang not installed", "python": python, "import_error": why}
-    work = Path(tempfile.mkdtemp(prefix="mgrpo_gpu_bench_"))
-    try:
-        hf_dir = work / "model"
-        torch.manual_seed(0)
-        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-            model = AutoModelForCausalLM.from_config(sglang_model(args.tiny))
-        model.to(torch.float32 if args.tiny else torch.bfloat16).save_pretrained(hf_dir)
-        del model
-        command = (
-            f"{python} -m sglang.launch_server --model-path {{model}} --host {{host}} "
-            f"--port {{port}} --skip-tokenizer-init {args.sglang_args}"
-        )
-        t0 = time.perf_counter()
-        group = launch_servers(
-            LaunchConfig(
-                command=command,
-                model=str(hf_dir),
-                log_dir=str(work / "logs"),
-                startup_timeout_s=PART_TIMEOUT_S["sglang"] - 60,
-            )
-        )
-        try:
-            result: dict[str, Any] = {"server_start_s": time.perf_counter() - t0}
-            learner = _learner(hf_dir)
-            # One client per phase: between phases this process does other work, and a
-            # pooled keep-alive connection the server closed meanwhile would fail a call.
-            result["generation"] = asyncio.run(_generate(group.urls, args))
-            result["weight_sync"] = asyncio.run(_sync(group.urls, learner))
-        finally:
-            group.stop()
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    return result
-
-
-def _learner(hf_dir: Path):
-    """A megatron model (world size 1) holding the served checkpoint."""
-    from megatron_grpo.commands.convert.hf_to_megatron import resolve_hf_model
-    from megatron_grpo.config import ParallelDims
-    from megatron_grpo.convert.hf_files import HFCheckpoint, MegatronView
-    from megatron_grpo.mcore.full_state import load_full_state
-    from megatron_grpo.mcore.model import build_model
-    from megatron_grpo.mcore.parallel import init_parallel
-
-    ctx = init_parallel(ParallelDims())
-    cfg = resolve_hf_model(hf_dir)
-    model = build_model(cfg, ctx, wrap_ddp=False)
-    load_full_state(model, MegatronView(HFCheckpoint(hf_dir), cfg), cfg, ctx)
-    return model, ctx, cfg
-
-
-def _client(urls):
-    from megatron_grpo.rollout.client import ClientConfig, SGLangClient
-
-    return SGLangClient(ClientConfig(urls=tuple(urls), max_concurrency=512))
-
-
-def _prompts(num_prompts: int) -> tuple[tuple[int, ...], ...]:
-    import torch
-
-    g = torch.Generator().manual_seed(0)
-    return tuple(
-        tuple(
-            torch.randint(
-                1, 500, (int(torch.randint(64, 193, (1,), generator=g)),), generator=g
-            ).tolist()
-        )
-        for _ in range(num_prompts)
-    )
-
-
-async def _generate(urls, args) -> dict[str, Any]:
-    from megatron_grpo.rollout.types import RolloutRequest, SamplingParams
-
-    num_prompts, n = (2, 2) if args.tiny else (64, 8)
-    new_tokens = 8 if args.tiny else 512
-    prompts = _prompts(num_prompts)
-    runs = []
-    async with _client(urls) as client:
-        for rep in range(3):  # the first is a warm-up
-            request = RolloutRequest(
-                prompts=prompts,
-                num_samples=n,
-                sampling=SamplingParams(
-                    max_new_tokens=new_tokens, temperature=1.0, ignore_eos=True, seed=rep
-                ),
-            )
-            t0 = time.perf_counter()
-            samples = await client.generate(request)
-            elapsed = time.perf_counter() - t0
-            if rep:
-                runs.append(sum(len(s.output_ids) for s in samples) / elapsed)
-    return {"prompts": num_prompts, "n": n, "new_tokens": new_tokens, "tokens_per_s": runs}
-
-
-async def _sync(urls, learner) -> dict[str, Any]:
-    from megatron_grpo.rollout import weight_sync
-    from megatron_grpo.rollout.types import RolloutRequest, SamplingParams
-
-    model, ctx, cfg = learner
-    pushes = []
-    async with _client(urls) as client:
-        for version in range(1, 4):
-            t0 = time.perf_counter()
-            named = weight_sync.hf_state(model, ctx, cfg, "qwen3")
-            t1 = time.perf_counter()
-            assert named is not None
-            await weight_sync.push(
-                client, named, method="tensor", tensor_format="sglang", weight_version=str(version)
-            )
-            t2 = time.perf_counter()
-            nbytes = sum(t.numel() * t.element_size() for t in named.values())
-            pushes.append({"gather_and_map_s": t1 - t0, "push_s": t2 - t1, "bytes": nbytes})
-        check = await client.generate(
-            RolloutRequest(
-                prompts=_prompts(1),
-                sampling=SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True),
-            )
-        )
-    return {
-        "method": "tensor (SGLang's format, shared memory)",
-        "runs": pushes,
-        "gb_per_s": [p["bytes"] / (p["gather_and_map_s"] + p["push_s"]) / 1e9 for p in pushes],
-        "gb_per_s_push_only": [p["bytes"] / p["push_s"] / 1e9 for p in pushes],
-        "weight_version_after": check[0].weight_version,
-        "distributed": "not measured: NCCL refuses two ranks on one GPU",
+        "setup_s": setup_s,
     }
 
 
@@ -496,8 +334,10 @@ def main() -> int:
     out = Path(args.out or BENCH_DIR / "results" / "gpu.json")
     if args.part:
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run `finally` blocks
-        part = part_mfu if args.part == "mfu" else part_sglang
-        write(out, part(args))
+        if args.part == "mfu":
+            write(out, part_mfu(args))
+        else:
+            write(out, part_sglang(args, startup_timeout_s=PART_TIMEOUT_S["sglang"] - 60))
         return 0
 
     import torch

@@ -48,7 +48,7 @@ def draw_lengths(dist: str, n: int, max_len: int, seed: int) -> list[int]:
 
 def fixed_dynamic_padding(lengths: list[int], dp: int, micro_batch_size: int) -> float:
     """Arrival order, contiguous shares per rank, fixed-size micro-batches padded to their max."""
-    from megatron_grpo.algo.batch import split_evenly
+    from megatron_grpo.train.plan import split_evenly
 
     real = padded = 0
     for share in split_evenly(lengths, dp):
@@ -80,7 +80,7 @@ def plan_stats(p, lengths: list[int]) -> dict[str, float]:
     }
 
 
-def main() -> None:
+def parse_args():
     p = parser(__doc__)
     p.add_argument("--samples", type=int, default=1024)
     p.add_argument("--dp", type=int, default=8)
@@ -88,36 +88,77 @@ def main() -> None:
     p.add_argument("--budget", type=int, default=16384, help="tokens per micro-batch")
     p.add_argument("--micro-batch-size", type=int, default=4, help="for the fixed-size baselines")
     p.add_argument("--draws", type=int, help="random draws per distribution (default 10)")
-    args = p.parse_args()
+    return p.parse_args()
 
+
+def measure_draws(dist: str, args, *, samples: int, draws: int, dp: int):
+    """Per draw: the planner's stats (packed and unpacked), the baselines and the lengths."""
     from megatron_grpo.train.plan import naive_padding_fraction, plan
 
+    rows: dict[str, list[float]] = {}
+    stats: dict[str, list[dict[str, float]]] = {"packed": [], "unpacked": []}
+    plan_seconds = []
+    for seed in range(draws):
+        lengths = draw_lengths(dist, samples, args.max_len, seed)
+        for packed in (True, False):
+            t0 = time.perf_counter()
+            pl = plan(lengths, dp_size=dp, max_tokens=args.budget, packed=packed)
+            plan_seconds.append(time.perf_counter() - t0)
+            stats["packed" if packed else "unpacked"].append(plan_stats(pl, lengths))
+        rows.setdefault("naive", []).append(naive_padding_fraction(lengths, args.micro_batch_size))
+        rows.setdefault("fixed_dynamic", []).append(
+            fixed_dynamic_padding(lengths, dp, args.micro_batch_size)
+        )
+        rows.setdefault("mean_len", []).append(statistics.fmean(lengths))
+        rows.setdefault("max_len", []).append(max(lengths))
+        rows.setdefault("at_cap", []).append(sum(x == args.max_len for x in lengths) / len(lengths))
+    return rows, stats, plan_seconds
+
+
+def report_mode(
+    dist: str, mode: str, per_draw: list[dict[str, float]], rows: dict[str, list[float]]
+) -> dict:
+    """Print one planner mode's padding against the baselines; its JSON entry."""
+    padding = [s["padding"] for s in per_draw]
+    vs_naive = Ratio.of(
+        f"{dist} {mode} planner padding / naive padding",
+        [a / b for a, b in zip(padding, rows["naive"])],
+    )
+    vs_dynamic = Ratio.of(
+        f"{dist} {mode} planner padding / fixed-size dynamic padding",
+        [a / b for a, b in zip(padding, rows["fixed_dynamic"])],
+    )
+    mode_met = statistics.median(padding) <= TARGET
+    print(vs_naive.line())
+    print(vs_dynamic.line())
+    print(
+        f"  {dist} {mode}: padding median {statistics.median(padding):.2%} "
+        f"(max {max(padding):.2%}; target <= {TARGET:.0%}: "
+        f"{'met' if mode_met else 'NOT met'}); naive "
+        f"{statistics.median(rows['naive']):.2%}, fixed-size dynamic "
+        f"{statistics.median(rows['fixed_dynamic']):.2%}; dense-mask attention waste "
+        f"{statistics.median(s['attention_waste'] for s in per_draw):.2%}"
+    )
+    return {
+        "padding": summary(padding),
+        "padding_vs_naive": vs_naive,
+        "padding_vs_fixed_dynamic": vs_dynamic,
+        "target_met": mode_met,
+        **{
+            k: summary([s[k] for s in per_draw])
+            for k in ("attention_waste", "max_micro_batches_per_rank", "rank_token_imbalance")
+        },
+    }
+
+
+def main() -> None:
+    args = parse_args()
     samples = 64 if args.quick else args.samples
     draws = args.draws or (2 if args.quick else 10)
     dp = 2 if args.quick else args.dp
     results, met = {}, True
     for dist in ("lognormal", "pareto"):
-        rows: dict[str, list[float]] = {}
-        stats: dict[str, list[dict[str, float]]] = {"packed": [], "unpacked": []}
-        plan_seconds = []
-        for seed in range(draws):
-            lengths = draw_lengths(dist, samples, args.max_len, seed)
-            for packed in (True, False):
-                t0 = time.perf_counter()
-                pl = plan(lengths, dp_size=dp, max_tokens=args.budget, packed=packed)
-                plan_seconds.append(time.perf_counter() - t0)
-                stats["packed" if packed else "unpacked"].append(plan_stats(pl, lengths))
-            rows.setdefault("naive", []).append(
-                naive_padding_fraction(lengths, args.micro_batch_size)
-            )
-            rows.setdefault("fixed_dynamic", []).append(
-                fixed_dynamic_padding(lengths, dp, args.micro_batch_size)
-            )
-            rows.setdefault("mean_len", []).append(statistics.fmean(lengths))
-            rows.setdefault("max_len", []).append(max(lengths))
-            rows.setdefault("at_cap", []).append(
-                sum(x == args.max_len for x in lengths) / len(lengths)
-            )
+        rows, stats, plan_seconds = measure_draws(dist, args, samples=samples, draws=draws, dp=dp)
         dist_result: dict = {
             "lengths": {k: summary(rows[k]) for k in ("mean_len", "max_len", "at_cap")},
             "naive_padding": summary(rows["naive"]),
@@ -125,41 +166,8 @@ def main() -> None:
             "plan_seconds": summary(plan_seconds),
         }
         for mode, per_draw in stats.items():
-            padding = [s["padding"] for s in per_draw]
-            vs_naive = Ratio.of(
-                f"{dist} {mode} planner padding / naive padding",
-                [a / b for a, b in zip(padding, rows["naive"])],
-            )
-            vs_dynamic = Ratio.of(
-                f"{dist} {mode} planner padding / fixed-size dynamic padding",
-                [a / b for a, b in zip(padding, rows["fixed_dynamic"])],
-            )
-            mode_met = statistics.median(padding) <= TARGET
-            met &= mode_met
-            print(vs_naive.line())
-            print(vs_dynamic.line())
-            print(
-                f"  {dist} {mode}: padding median {statistics.median(padding):.2%} "
-                f"(max {max(padding):.2%}; target <= {TARGET:.0%}: "
-                f"{'met' if mode_met else 'NOT met'}); naive "
-                f"{statistics.median(rows['naive']):.2%}, fixed-size dynamic "
-                f"{statistics.median(rows['fixed_dynamic']):.2%}; dense-mask attention waste "
-                f"{statistics.median(s['attention_waste'] for s in per_draw):.2%}"
-            )
-            dist_result[mode] = {
-                "padding": summary(padding),
-                "padding_vs_naive": vs_naive,
-                "padding_vs_fixed_dynamic": vs_dynamic,
-                "target_met": mode_met,
-                **{
-                    k: summary([s[k] for s in per_draw])
-                    for k in (
-                        "attention_waste",
-                        "max_micro_batches_per_rank",
-                        "rank_token_imbalance",
-                    )
-                },
-            }
+            dist_result[mode] = report_mode(dist, mode, per_draw, rows)
+            met &= dist_result[mode]["target_met"]
         results[dist] = dist_result
     write_result(
         "packing",

@@ -47,106 +47,120 @@ def make_model(quick: bool):
     return Qwen3ForCausalLM(config).float().eval()
 
 
-def main() -> None:
+def parse_args():
     p = parser(__doc__)
     p.add_argument("--prompts", type=int)
     p.add_argument("--samples", type=int, help="samples per prompt (n)")
     p.add_argument("--new-tokens", type=int)
     p.add_argument("--repeats", type=int)
     p.add_argument("--warmup", type=int)
-    args = p.parse_args()
+    return p.parse_args()
 
-    import asyncio
 
+def random_prompts(vocab: int, num_prompts: int) -> list[list[int]]:
     import torch
-    import transformers
-    from transformers import GenerationConfig
 
-    from megatron_grpo.rollout.client import ClientConfig, SGLangClient
-    from megatron_grpo.rollout.embedded.decode import SequenceSpec, generate_batch
-    from megatron_grpo.rollout.embedded.server import start_embedded_server
-    from megatron_grpo.rollout.types import RolloutRequest, SamplingParams
-
-    transformers.logging.set_verbosity_error()
-    num_prompts = args.prompts or (2 if args.quick else 8)
-    n = args.samples or (2 if args.quick else 8)
-    new_tokens = args.new_tokens or (8 if args.quick else 64)
-    repeats = args.repeats or (2 if args.quick else 7)
-    model = make_model(args.quick)
-    vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(1)
-    prompts = [
+    return [
         torch.randint(
             1, vocab, (int(torch.randint(8, 33, (1,), generator=g)),), generator=g
         ).tolist()
         for _ in range(num_prompts)
     ]
-    server = start_embedded_server(model, max_batch_size=num_prompts * n, seed=0)
-    loop = asyncio.new_event_loop()
-    client = SGLangClient(ClientConfig(urls=(server.url,), max_concurrency=num_prompts * n))
-    loop.run_until_complete(client.__aenter__())
-    tokens: dict[str, list[int]] = {"server": [], "generate": [], "decode_direct": []}
-    seed = iter(range(1, 1 << 30))
 
-    def request() -> RolloutRequest:
+
+class Sides:
+    """The three ways of generating the same completions; each records the tokens it made.
+
+    They share one seed sequence, so every call samples with a fresh seed.
+    """
+
+    def __init__(self, model, prompts: list[list[int]], n: int, new_tokens: int) -> None:
+        import asyncio
+
+        import torch
+        from transformers import GenerationConfig
+
+        from megatron_grpo.rollout.client import ClientConfig, SGLangClient
+        from megatron_grpo.rollout.embedded.server import start_embedded_server
+
+        self.model, self.prompts, self.n, self.new_tokens = model, prompts, n, new_tokens
+        self.server = start_embedded_server(model, max_batch_size=len(prompts) * n, seed=0)
+        self.loop = asyncio.new_event_loop()
+        self.client = SGLangClient(
+            ClientConfig(urls=(self.server.url,), max_concurrency=len(prompts) * n)
+        )
+        self.loop.run_until_complete(self.client.__aenter__())
+        self.tokens: dict[str, list[int]] = {"server": [], "generate": [], "decode_direct": []}
+        self.seed = iter(range(1, 1 << 30))
+        self.width = max(len(x) for x in prompts)
+        self.input_ids = torch.tensor([[0] * (self.width - len(x)) + x for x in prompts])
+        self.attention_mask = torch.tensor(
+            [[0] * (self.width - len(x)) + [1] * len(x) for x in prompts]
+        )
+        self.generation_config = GenerationConfig(
+            do_sample=True,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            num_return_sequences=n,
+            pad_token_id=0,
+            eos_token_id=None,
+        )
+
+    def request(self):
+        from megatron_grpo.rollout.types import RolloutRequest, SamplingParams
+
         return RolloutRequest(
-            prompts=tuple(tuple(x) for x in prompts),
-            num_samples=n,
+            prompts=tuple(tuple(x) for x in self.prompts),
+            num_samples=self.n,
             sampling=SamplingParams(
-                max_new_tokens=new_tokens, temperature=1.0, ignore_eos=True, seed=next(seed)
+                max_new_tokens=self.new_tokens,
+                temperature=1.0,
+                ignore_eos=True,
+                seed=next(self.seed),
             ),
         )
 
-    def via_server() -> None:
-        samples = loop.run_until_complete(client.generate(request()))
-        tokens["server"].append(sum(len(s.output_ids) for s in samples))
+    def via_server(self) -> None:
+        samples = self.loop.run_until_complete(self.client.generate(self.request()))
+        self.tokens["server"].append(sum(len(s.output_ids) for s in samples))
 
-    def via_decode_loop() -> None:
-        r = request()
+    def via_decode_loop(self) -> None:
+        from megatron_grpo.rollout.embedded.decode import SequenceSpec, generate_batch
+
+        r = self.request()
         specs = [
             SequenceSpec(prompt_ids=p, sampling=r.sampling, seed=r.sample_seed(i, j) or 0)
             for i, p in enumerate(r.prompts)
-            for j in range(n)
+            for j in range(self.n)
         ]
-        done = generate_batch(model, specs, eos_token_ids=frozenset())
-        tokens["decode_direct"].append(sum(len(c.output_ids) for c in done))
+        done = generate_batch(self.model, specs, eos_token_ids=frozenset())
+        self.tokens["decode_direct"].append(sum(len(c.output_ids) for c in done))
 
-    width = max(len(x) for x in prompts)
-    input_ids = torch.tensor([[0] * (width - len(x)) + x for x in prompts])
-    attention_mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in prompts])
-    config = GenerationConfig(
-        do_sample=True,
-        temperature=1.0,
-        top_p=1.0,
-        top_k=0,
-        max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens,
-        num_return_sequences=n,
-        pad_token_id=0,
-        eos_token_id=None,
-    )
+    def via_generate(self) -> None:
+        import torch
 
-    def via_generate() -> None:
-        torch.manual_seed(next(seed))
+        torch.manual_seed(next(self.seed))
         with torch.no_grad():
-            out = model.generate(
-                input_ids=input_ids, attention_mask=attention_mask, generation_config=config
+            out = self.model.generate(
+                input_ids=self.input_ids,
+                attention_mask=self.attention_mask,
+                generation_config=self.generation_config,
             )
-        tokens["generate"].append(int(out[:, width:].numel()))
+        self.tokens["generate"].append(int(out[:, self.width :].numel()))
 
-    try:
-        times = interleaved(
-            {"server": via_server, "generate": via_generate, "decode_direct": via_decode_loop},
-            repeats=repeats,
-            warmup=args.warmup if args.warmup is not None else (0 if args.quick else 1),
-        )
-    finally:
-        loop.run_until_complete(client.close())
-        loop.close()
-        server.stop()
+    def close(self) -> None:
+        self.loop.run_until_complete(self.client.close())
+        self.loop.close()
+        self.server.stop()
+
+
+def report(times, *, model, num_prompts: int, n: int, new_tokens: int, repeats: int, args) -> None:
+    """Print the ratios and tokens/s, and write the JSON result."""
     expected = num_prompts * n * new_tokens
-    if any(set(v) != {expected} for v in tokens.values()):
-        raise RuntimeError(f"token counts differ from {expected}: {tokens}")
     # tokens/s ratio = inverse time ratio: both sides generate `expected` tokens
     ratio = {
         clock: Ratio.of(
@@ -189,6 +203,43 @@ def main() -> None:
             "tokens_per_s_wall": {k: summary(v) for k, v in per_s.items()},
             "seconds": seconds(times),
         },
+    )
+
+
+def main() -> None:
+    args = parse_args()
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    num_prompts = args.prompts or (2 if args.quick else 8)
+    n = args.samples or (2 if args.quick else 8)
+    new_tokens = args.new_tokens or (8 if args.quick else 64)
+    repeats = args.repeats or (2 if args.quick else 7)
+    model = make_model(args.quick)
+    sides = Sides(model, random_prompts(model.config.vocab_size, num_prompts), n, new_tokens)
+    try:
+        times = interleaved(
+            {
+                "server": sides.via_server,
+                "generate": sides.via_generate,
+                "decode_direct": sides.via_decode_loop,
+            },
+            repeats=repeats,
+            warmup=args.warmup if args.warmup is not None else (0 if args.quick else 1),
+        )
+    finally:
+        sides.close()
+    expected = num_prompts * n * new_tokens
+    if any(set(v) != {expected} for v in sides.tokens.values()):
+        raise RuntimeError(f"token counts differ from {expected}: {sides.tokens}")
+    report(
+        times,
+        model=model,
+        num_prompts=num_prompts,
+        n=n,
+        new_tokens=new_tokens,
+        repeats=repeats,
+        args=args,
     )
 
 

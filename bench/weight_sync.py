@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict
-from pathlib import Path
 
 from _common import (
     Ratio,
@@ -27,10 +26,11 @@ from _common import (
     interleaved,
     parser,
     ratios,
+    run_at_layout,
     seconds,
     sum_over_ranks,
     summary,
-    worker_env,
+    tiny_model,
     write_result,
 )
 
@@ -39,12 +39,7 @@ def model_config(quick: bool):
     from megatron_grpo.config import ModelConfig
 
     if quick:
-        return ModelConfig(
-            num_layers=2,
-            hidden_size=64,
-            ffn_hidden_size=128,
-            num_attention_heads=4,
-            num_query_groups=2,
+        return tiny_model(
             vocab_size=500,
             make_vocab_size_divisible_by=8,
             max_position_embeddings=128,
@@ -64,54 +59,21 @@ def model_config(quick: bool):
 
 
 def worker(*, tp: int, pp: int, model_cfg, family: str, repeats: int, warmup: int) -> dict | None:
-    import asyncio
-
     import safetensors.torch
-    import torch
-    import torch.distributed as dist
-    from transformers import AutoModelForCausalLM
 
     from megatron_grpo.config import ParallelDims
-    from megatron_grpo.convert.hf_config import hf_config_from_model_config
-    from megatron_grpo.convert.weights import megatron_to_hf
-    from megatron_grpo.mcore.full_state import gather_full_state
     from megatron_grpo.mcore.model import build_model
     from megatron_grpo.mcore.parallel import init_parallel
     from megatron_grpo.rollout import weight_sync
-    from megatron_grpo.rollout.client import ClientConfig, SGLangClient
-    from megatron_grpo.rollout.embedded.server import start_embedded_server
     from megatron_grpo.rollout.embedded.weights import tensor_update_payload
 
     ctx = init_parallel(ParallelDims(tp=tp, pp=pp))
     model = build_model(model_cfg, ctx, wrap_ddp=False)
     main = ctx.is_main
-    if main:
-        hf = AutoModelForCausalLM.from_config(hf_config_from_model_config(model_cfg, family))
-        server = start_embedded_server(hf, weight_version="0", max_batch_size=1)
-        loop = asyncio.new_event_loop()
-        client = SGLangClient(ClientConfig(urls=(server.url,)))
-        loop.run_until_complete(client.__aenter__())
+    served = _start_server(model_cfg, family) if main else None
     reference = weight_sync.hf_state(model, ctx, model_cfg, family)  # for the baseline
     parts: dict[str, list[Timing]] = {"gather": [], "mapping": [], "rest": []}
-    version = iter(range(1, 1 << 30))
-
-    def push() -> None:
-        dist.barrier()
-        clocks = [_clocks()]
-        full = gather_full_state(model, ctx, vocab_size=model_cfg.vocab_size)
-        clocks.append(_clocks())
-        if main:
-            named = megatron_to_hf(full, model_cfg, family)
-            clocks.append(_clocks())
-            loop.run_until_complete(
-                weight_sync.push(client, named, method="tensor", weight_version=str(next(version)))
-            )
-        else:
-            clocks.append(_clocks())
-        dist.barrier()
-        clocks.append(_clocks())
-        for key, (a, b) in zip(parts, zip(clocks, clocks[1:])):
-            parts[key].append(Timing(b[0] - a[0], b[1] - a[1]))
+    push = _push_action(model, ctx, model_cfg, family, served, parts)
 
     plain = None
     if main:
@@ -134,18 +96,77 @@ def worker(*, tp: int, pp: int, model_cfg, family: str, repeats: int, warmup: in
     times = sum_over_ranks(times)
     if not main:
         return None
-    with torch.no_grad():  # the server holds exactly what the learner has
-        served = server.engine.model.state_dict()
-        max_diff = max(float((served[k].float() - v.float()).abs().max()) for k, v in plain.items())
-    loop.run_until_complete(client.close())
-    loop.close()
-    server.stop()
+    max_diff = _served_max_diff(served, plain)
     return {
         "times": times,
         "bytes": sum(t.numel() * t.element_size() for t in plain.values()),
         "num_tensors": len(plain),
         "server_max_abs_diff": max_diff,
     }
+
+
+def _start_server(model_cfg, family: str):
+    """On the main rank: the embedded server on a HF model of the same shape, and a client."""
+    import asyncio
+
+    from transformers import AutoModelForCausalLM
+
+    from megatron_grpo.convert.hf_config import hf_config_from_model_config
+    from megatron_grpo.rollout.client import ClientConfig, SGLangClient
+    from megatron_grpo.rollout.embedded.server import start_embedded_server
+
+    hf = AutoModelForCausalLM.from_config(hf_config_from_model_config(model_cfg, family))
+    server = start_embedded_server(hf, weight_version="0", max_batch_size=1)
+    loop = asyncio.new_event_loop()
+    client = SGLangClient(ClientConfig(urls=(server.url,)))
+    loop.run_until_complete(client.__aenter__())
+    return server, loop, client
+
+
+def _push_action(model, ctx, model_cfg, family: str, served, parts: dict[str, list[Timing]]):
+    """One push as the trainer does it, its gather / mapping / rest times added to ``parts``."""
+    import torch.distributed as dist
+
+    from megatron_grpo.convert.weights import megatron_to_hf
+    from megatron_grpo.mcore.full_state import gather_full_state
+    from megatron_grpo.rollout import weight_sync
+
+    version = iter(range(1, 1 << 30))
+
+    def push() -> None:
+        dist.barrier()
+        clocks = [_clocks()]
+        full = gather_full_state(model, ctx, vocab_size=model_cfg.vocab_size)
+        clocks.append(_clocks())
+        if served is not None:
+            _, loop, client = served
+            named = megatron_to_hf(full, model_cfg, family)
+            clocks.append(_clocks())
+            loop.run_until_complete(
+                weight_sync.push(client, named, method="tensor", weight_version=str(next(version)))
+            )
+        else:
+            clocks.append(_clocks())
+        dist.barrier()
+        clocks.append(_clocks())
+        for key, (a, b) in zip(parts, zip(clocks, clocks[1:])):
+            parts[key].append(Timing(b[0] - a[0], b[1] - a[1]))
+
+    return push
+
+
+def _served_max_diff(served, plain: dict) -> float:
+    """Stop the server; the largest difference between its weights and the learner's."""
+    import torch
+
+    server, loop, client = served
+    with torch.no_grad():  # the server holds exactly what the learner has
+        state = server.engine.model.state_dict()
+        max_diff = max(float((state[k].float() - v.float()).abs().max()) for k, v in plain.items())
+    loop.run_until_complete(client.close())
+    loop.close()
+    server.stop()
+    return max_diff
 
 
 def _clocks() -> tuple[float, float]:
@@ -163,26 +184,20 @@ def main() -> None:
     args = p.parse_args()
 
     from megatron_grpo.commands.invariance import Layout
-    from megatron_grpo.launch import run_workers
 
     layout = Layout.parse(args.layout or ("1x1x1" if args.quick else "1x2x1"))
     repeats = args.repeats or (2 if args.quick else 10)
     warmup = args.warmup if args.warmup is not None else (0 if args.quick else 1)
     model_cfg = model_config(args.quick)
     family = "qwen3"
-    out = run_workers(
-        f"{Path(__file__).resolve()}:worker",
-        layout.world_size,
-        kwargs={
-            "tp": layout.tp,
-            "pp": layout.pp,
-            "model_cfg": model_cfg,
-            "family": family,
-            "repeats": repeats,
-            "warmup": warmup,
-        },
+    out = run_at_layout(
+        __file__,
+        layout,
         timeout=args.timeout or (150.0 if args.quick else 600.0),
-        env=worker_env(),
+        model_cfg=model_cfg,
+        family=family,
+        repeats=repeats,
+        warmup=warmup,
     )[0]
     times = out["times"]
     mb = out["bytes"] / 1e6

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+from megatron_grpo.commands.convert.cli import add_parser as add_convert_parser
 from megatron_grpo.config import dump_config, load_config
 
 
@@ -208,6 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_config)
 
     add_train_parser(sub)
+    add_convert_parser(sub)
 
     p = sub.add_parser("plot", help="draw reward and length curves of a run to PNG")
     p.add_argument("run_dir", help="a run's output_dir (holding metrics.jsonl)")
@@ -217,15 +219,21 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "check-invariance",
         help="prove the gradient of one global batch is the same at every layout",
-        description="Train one fixed global batch for one step at each DPxTPxPP layout "
-        "(multi-process gloo on CPU, nccl on GPU), with several micro-batch counts and a "
-        "permutation of samples, and compare gradients, SGD updates and grad norms "
-        "against the single-process run.",
+        description="Train one fixed global batch with the trainer's own step function "
+        "(its planner, frozen old and reference log-probs, two SGD passes) at each DPxTPxPP "
+        "layout (multi-process gloo on CPU, nccl on GPU), with several micro-batch counts, "
+        "a permutation of samples and packing, and compare gradients, SGD updates and grad "
+        "norms of each pass against the single-process run.",
     )
     add_config_args(p)
     p.add_argument("--mode", default="token-mean", help="loss aggregation mode, or 'all'")
     p.add_argument("--layouts", default=DEFAULT_LAYOUTS, help="comma-separated DPxTPxPP")
-    p.add_argument("--micro-batches", default="1,3", help="comma-separated micro-batch counts")
+    p.add_argument(
+        "--micro-batches",
+        default="1,3",
+        help="comma-separated micro-batch counts per rank to aim at: each sets the token "
+        "budget the trainer's planner splits the batch under",
+    )
     p.add_argument(
         "--no-permute",
         dest="permute",

@@ -1,29 +1,46 @@
 """Per-step metrics: stdout, a jsonl file, TensorBoard, and wandb when configured.
 
-Only the main rank writes. ``plot_run`` draws the reward and length curves of
-a run directory's ``metrics.jsonl`` to PNG files.
+Only the main rank writes. On a terminal a progress bar over the steps sits
+below the step lines; when the output goes to a file or a pipe there is no
+bar, and each step's line carries the step count and the elapsed and
+remaining time instead. ``plot_run`` draws the reward and length curves of a
+run directory's ``metrics.jsonl`` to PNG files.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
 from megatron_grpo.config import MetricsConfig
 
+NAMESPACES = ("rollout", "train", "perf", "eval")
+"""Metric names are grouped by concern: ``rollout/`` (generations, rewards, sampling),
+``train/`` (loss terms, gradient, learning rate), ``perf/`` (time and throughput),
+``eval/`` (held-out sets)."""
+
 STDOUT_KEYS = (
-    "reward_mean",
-    "response_length_mean",
-    "loss",
-    "kl",
-    "entropy",
-    "clip_fraction",
-    "grad_norm",
-    "logprob_mismatch",
-    "tokens_per_s",
+    "rollout/reward_mean",
+    "rollout/response_length_mean",
+    "train/loss",
+    "train/kl",
+    "train/entropy",
+    "train/clip_fraction",
+    "train/grad_norm",
+    "train/logprob_mismatch",
+    "perf/train_tokens_per_s",
 )
+"""Shown on each step's line, by the name after the namespace."""
+
+
+def namespaced(namespace: str, metrics: dict[str, Any]) -> dict[str, Any]:
+    """``metrics`` with every name under ``namespace/`` (one of ``NAMESPACES``)."""
+    assert namespace in NAMESPACES, namespace
+    return {f"{namespace}/{k}": v for k, v in metrics.items()}
 
 
 class MetricsLogger:
@@ -41,13 +58,11 @@ class MetricsLogger:
         self.path = Path(output_dir) / "metrics.jsonl"
         self._tb = None
         self._wandb = None
-        self._bar = None
+        self._progress: _Progress | None = None
         if not enabled:
             return
-        if total_steps is not None:  # a progress bar on stderr; metric lines go above it
-            from tqdm import tqdm
-
-            self._bar = tqdm(total=total_steps, initial=start_step, desc="GRPO steps", unit="step")
+        if total_steps is not None:
+            self._progress = _Progress(total_steps, start_step)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -79,28 +94,77 @@ class MetricsLogger:
             self._tb.flush()
         if self._wandb is not None:
             self._wandb.log(numeric, step=step)
-        if self._bar is not None:
-            self._bar.write(format_line(step, metrics))
-            self._bar.set_postfix(reward=f"{metrics.get('reward_mean', float('nan')):.3f}")
-            self._bar.update(1)
+        if self._progress is not None:
+            self._progress.show(step, metrics)
         else:
             print(format_line(step, metrics), flush=True)
 
     def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
+        if self._progress is not None:
+            self._progress.close()
         if self._tb is not None:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
 
 
-def format_line(step: int, metrics: dict[str, Any]) -> str:
-    parts = [f"step {step:>4}"]
+class _Progress:
+    """The step lines of a run of known length, with a progress bar when on a terminal.
+
+    The bar (on stderr) is cleared and redrawn around each step line (on
+    stdout), which reads well only when both streams reach the terminal
+    directly: redirected, the bar's carriage returns end up between the lines,
+    and through a pipe (``| tee``) the lines arrive after the bar is redrawn.
+    """
+
+    def __init__(self, total_steps: int, start_step: int) -> None:
+        self.total_steps = total_steps
+        self.start_step = start_step
+        self.start_time = time.monotonic()
+        self._bar = None
+        if sys.stdout.isatty() and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self._bar = tqdm(
+                total=total_steps,
+                initial=start_step,
+                desc="GRPO steps",
+                unit="step",
+                file=sys.stderr,
+            )
+
+    def show(self, step: int, metrics: dict[str, Any]) -> None:
+        if self._bar is not None:
+            self._bar.write(format_line(step, metrics))
+            self._bar.update(1)
+            return
+        elapsed = time.monotonic() - self.start_time
+        line = format_line(step, metrics, total_steps=self.total_steps)
+        times = _times(elapsed, step - self.start_step, self.total_steps - step)
+        print(f"{line} | {times}", flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def _times(elapsed_s: float, steps_done: int, steps_left: int) -> str:
+    """Elapsed and remaining time as the bar shows them (remaining at this run's pace)."""
+    from tqdm import tqdm
+
+    remaining = elapsed_s / steps_done * steps_left
+    return (
+        f"elapsed {tqdm.format_interval(elapsed_s)} | remaining {tqdm.format_interval(remaining)}"
+    )
+
+
+def format_line(step: int, metrics: dict[str, Any], *, total_steps: int | None = None) -> str:
+    """``step    3 | reward_mean 0.5 | ...``; with ``total_steps``, ``step    3/40 | ...``."""
+    parts = [f"step {step:>4}" + (f"/{total_steps}" if total_steps is not None else "")]
     for k in STDOUT_KEYS:
         v = metrics.get(k)
         if isinstance(v, int | float) and not math.isnan(v):
-            parts.append(f"{k} {v:.4g}")
+            parts.append(f"{k.partition('/')[2]} {v:.4g}")
     return " | ".join(parts)
 
 
@@ -114,8 +178,8 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
 
 
 PLOTS = {
-    "reward.png": ("reward_mean", "reward (mean over samples)"),
-    "response_length.png": ("response_length_mean", "response length (tokens)"),
+    "reward.png": ("rollout/reward_mean", "reward (mean over samples)"),
+    "response_length.png": ("rollout/response_length_mean", "response length (tokens)"),
 }
 
 

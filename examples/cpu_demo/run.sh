@@ -14,7 +14,7 @@ python - <<'PY'
 import json
 rows = [json.loads(l) for l in open("runs/cpu_demo/grpo/metrics.jsonl")]
 first, last = rows[:5], rows[-5:]
-mean = lambda rs: sum(r["reward_mean"] for r in rs) / len(rs)
+mean = lambda rs: sum(r["rollout/reward_mean"] for r in rs) / len(rs)
 print(f"reward: first 5 steps {mean(first):.3f} -> last 5 steps {mean(last):.3f} "
       f"({len(rows)} steps); plots in runs/cpu_demo/grpo")
 PY

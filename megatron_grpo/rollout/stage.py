@@ -166,8 +166,7 @@ def collect(
         "groups_dropped": float(dropped),
         "groups_flat_kept": float(max(shortfall, 0)),
         "sampling_rounds": float(rounds),
-        "time_rollout_s": elapsed,
-        "rollout_tokens_per_s": sum(lengths) / max(elapsed, 1e-9),
+        "generated_tokens_per_s": sum(lengths) / max(elapsed, 1e-9),
     }
     return RolloutBatch(samples, stats)
 

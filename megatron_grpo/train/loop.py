@@ -15,7 +15,7 @@ from megatron_grpo.config import Config, dump_config, to_dict
 from megatron_grpo.mcore.model import build_model, have_transformer_engine
 from megatron_grpo.mcore.optim import build_optimizer
 from megatron_grpo.mcore.parallel import broadcast_object, init_parallel
-from megatron_grpo.metrics import MetricsLogger
+from megatron_grpo.metrics import MetricsLogger, namespaced
 from megatron_grpo.rollout import stage as rollout_stage
 from megatron_grpo.rollout import weight_sync
 from megatron_grpo.train import sources
@@ -72,15 +72,18 @@ def train(cfg: Config) -> None:
             rollout.sync(model, step)
         t3 = time.perf_counter()
         num_tokens = sum(len(s) for s in batch.samples)
+        perf = {
+            "time_rollout_s": t1 - t0,
+            "time_train_s": t2 - t1,
+            "time_sync_s": t3 - t2,
+            "train_tokens_per_s": num_tokens * settings.num_iterations / max(t2 - t1, 1e-9),
+        }
         logger.log(
             step,
             {
-                **batch.stats,
-                **history[-1],
-                "time_rollout_s": t1 - t0,
-                "time_train_s": t2 - t1,
-                "time_sync_s": t3 - t2,
-                "tokens_per_s": num_tokens * settings.num_iterations / max(t2 - t1, 1e-9),
+                **namespaced("rollout", batch.stats),
+                **namespaced("train", history[-1]),
+                **namespaced("perf", perf),
             },
         )
         last = step == cfg.train.total_steps

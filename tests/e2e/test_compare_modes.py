@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_grpo.commands.compare import FIGURES
+from megatron_grpo.commands.compare.report import FIGURES
 from megatron_grpo.metrics import read_metrics
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -77,7 +77,7 @@ def test_compare_modes_writes_one_curve_per_mode_and_a_row_per_mode(tmp_path, as
         table = list(csv.DictReader(f))
     assert [row["mode"] for row in table] == list(MODES)
     for row in table:
-        rewards = [r["reward_mean"] for r in runs[row["mode"]]]
+        rewards = [r["rollout/reward_mean"] for r in runs[row["mode"]]]
         assert float(row["final_reward"]) == pytest.approx(sum(rewards[-2:]) / 2, abs=1e-4)
         assert row["num_seeds"] == "1" and row["num_failed"] == "0"
     assert "| token-mean | 1 |" in (tmp_path / "summary.md").read_text()

@@ -77,7 +77,14 @@ RESUMABLE = (
     "train.global_batch_size=8",
     "train.num_iterations=2",
 )
-DETERMINISTIC = ("reward_mean", "response_length_mean", "loss", "grad_norm", "entropy", "kl")
+DETERMINISTIC = (
+    "rollout/reward_mean",
+    "rollout/response_length_mean",
+    "train/loss",
+    "train/grad_norm",
+    "train/entropy",
+    "train/kl",
+)
 
 
 @pytest.fixture(scope="module")
@@ -91,24 +98,27 @@ def test_end_to_end_run_logs_checkpoints_and_plots(uninterrupted):
     out, rows = uninterrupted
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for key in (
-        "reward_mean",
-        "reward_std",
-        "response_length_mean",
-        "response_length_max",
-        "clip_fraction",
-        "kl",
-        "entropy",
-        "grad_norm",
-        "logprob_mismatch",
-        "tokens_per_s",
-        "time_rollout_s",
-        "time_train_s",
-        "time_sync_s",
-        "truncated_fraction",
+        "rollout/reward_mean",
+        "rollout/reward_std",
+        "rollout/response_length_mean",
+        "rollout/response_length_max",
+        "rollout/truncated_fraction",
+        "rollout/generated_tokens_per_s",
+        "train/clip_fraction",
+        "train/kl",
+        "train/entropy",
+        "train/grad_norm",
+        "train/logprob_mismatch",
+        "train/lr",
+        "perf/train_tokens_per_s",
+        "perf/time_rollout_s",
+        "perf/time_train_s",
+        "perf/time_sync_s",
     ):
         assert key in rows[-1], key
+    assert all(k.split("/")[0] in ("rollout", "train", "perf") for k in rows[-1] if k != "step")
     # the engine generates with the learner's weights: its log-probs are the learner's
-    assert all(r["logprob_mismatch"] < 1e-4 for r in rows)
+    assert all(r["train/logprob_mismatch"] < 1e-4 for r in rows)
     assert (out / "checkpoints" / "latest").read_text() == "step_00000004"
     assert (out / "config.yaml").exists()
     done = subprocess.run(
@@ -286,4 +296,4 @@ def test_attached_sglang_servers_get_the_learners_weights_before_the_first_rollo
         )
     finally:
         server.stop()
-    assert rows[0]["logprob_mismatch"] < 1e-4, rows[0]
+    assert rows[0]["train/logprob_mismatch"] < 1e-4, rows[0]

@@ -402,7 +402,7 @@ def test_trainer_launches_sglang_and_syncs_by_broadcast(sglang_python, tmp_path)
     assert server_log.count('"POST /update_weights_from_distributed HTTP/1.1" 200') >= 2
     assert '"POST /destroy_weights_update_group HTTP/1.1" 200' in server_log
     # Step 2 trained on samples generated after step 1's broadcast.
-    assert all(r["logprob_mismatch"] < LOGPROB_ATOL for r in rows), rows
+    assert all(r["train/logprob_mismatch"] < LOGPROB_ATOL for r in rows), rows
     assert processes_mentioning(str(model)) == []  # the trainer stopped its server
     mismatch = ", ".join(f"{r['logprob_mismatch']:.1e}" for r in rows)
     sync = ", ".join(f"{r['time_sync_s']:.2f}" for r in rows)

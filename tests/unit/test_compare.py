@@ -11,20 +11,18 @@ from pathlib import Path
 import pytest
 
 from megatron_grpo.cli import main
-from megatron_grpo.commands import compare
-from megatron_grpo.commands.compare import (
+from megatron_grpo.commands.compare import compare_modes
+from megatron_grpo.commands.compare import runs as compare_runs
+from megatron_grpo.commands.compare.report import (
     FIGURES,
-    RunResult,
     aggregate,
-    compare_modes,
     final_mean,
-    finished_rows,
     length_growth,
     moving_average,
     steps_to_threshold,
     summarize,
-    train_command,
 )
+from megatron_grpo.commands.compare.runs import RunResult, finished_rows, train_command
 
 
 def rows_of(rewards, lengths, truncated=None):
@@ -32,13 +30,13 @@ def rows_of(rewards, lengths, truncated=None):
     return [
         {
             "step": i + 1,
-            "reward_mean": r,
-            "response_length_mean": n,
-            "response_length_pos_adv_mean": n - 1,
-            "response_length_neg_adv_mean": n + 1,
-            "truncated_fraction": t,
-            "grad_norm": 1.0 + i,
-            "kl": 0.01 * i,
+            "rollout/reward_mean": r,
+            "rollout/response_length_mean": n,
+            "rollout/response_length_pos_adv_mean": n - 1,
+            "rollout/response_length_neg_adv_mean": n + 1,
+            "rollout/truncated_fraction": t,
+            "train/grad_norm": 1.0 + i,
+            "train/kl": 0.01 * i,
         }
         for i, (r, n, t) in enumerate(zip(rewards, lengths, truncated))
     ]
@@ -81,7 +79,7 @@ def test_aggregate_mean_and_spread_over_seeds_on_common_steps():
         1: rows_of([0.0, 0.2, 0.4], [10, 10, 10]),
         2: rows_of([0.2, 0.6, 0.8, 0.9], [10, 10, 10, 10]),  # one step more
     }
-    s = aggregate(per_seed, "reward_mean")
+    s = aggregate(per_seed, "rollout/reward_mean")
     assert s is not None
     assert s.steps == [1, 2, 3]
     assert s.mean == pytest.approx([0.1, 0.4, 0.6])
@@ -90,7 +88,7 @@ def test_aggregate_mean_and_spread_over_seeds_on_common_steps():
     assert s.std == pytest.approx([0.1, 0.2, 0.2])
     assert s.per_seed == {1: [0.0, 0.2, 0.4], 2: [0.2, 0.6, 0.8]}
     assert aggregate(per_seed, "no_such_metric") is None
-    assert aggregate({}, "reward_mean") is None
+    assert aggregate({}, "rollout/reward_mean") is None
 
 
 def test_summary_of_a_mode_over_seeds_with_a_failed_run(tmp_path):
@@ -131,7 +129,7 @@ def test_finished_rows_needs_every_step_and_keeps_the_last_row_of_a_step(tmp_pat
     write_metrics(tmp_path, rows)
     got = finished_rows(tmp_path, 3)
     assert got is not None
-    assert [r["reward_mean"] for r in got] == [0.1, 0.25, 0.3]
+    assert [r["rollout/reward_mean"] for r in got] == [0.1, 0.25, 0.3]
     with (tmp_path / "metrics.jsonl").open("a") as f:
         f.write('{"step": 4, "rew')  # a line cut by a crash
     assert finished_rows(tmp_path, 3) is None
@@ -152,7 +150,7 @@ def test_train_command_sets_mode_seed_and_output_dir_last(tmp_path):
 
 def test_a_run_that_hangs_is_stopped_at_its_timeout(tmp_path):
     cmd = [sys.executable, "-c", "import time; print('started', flush=True); time.sleep(120)"]
-    assert compare._run_logged(cmd, tmp_path / "log", 2.0) == "timed out after 2 s"
+    assert compare_runs._run_logged(cmd, tmp_path / "log", 2.0) == "timed out after 2 s"
     assert "started" in (tmp_path / "log").read_text()
 
 
@@ -176,7 +174,7 @@ def fake_trainer(failing_mode: str, calls: list):
 
 def test_compare_modes_reports_a_failed_run_and_resumes(tmp_path, monkeypatch):
     calls: list = []
-    monkeypatch.setattr(compare, "_run_logged", fake_trainer("group-seq-mean", calls))
+    monkeypatch.setattr(compare_runs, "_run_logged", fake_trainer("group-seq-mean", calls))
     modes = ["token-mean", "seq-mean-token-mean", "group-seq-mean"]
     kwargs = dict(config=None, modes=modes, num_seeds=2, out=tmp_path, k=2, window=2)
     result = compare_modes(overrides=["train.total_steps=6", "seed=1"], **kwargs)
@@ -209,7 +207,7 @@ def test_compare_modes_reports_a_failed_run_and_resumes(tmp_path, monkeypatch):
 
 
 def test_cli_compare_modes_exits_1_when_a_run_failed(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(compare, "_run_logged", fake_trainer("seq-mean-token-mean", []))
+    monkeypatch.setattr(compare_runs, "_run_logged", fake_trainer("seq-mean-token-mean", []))
     args = ["compare-modes", "--modes", "token-mean,seq-mean-token-mean", "--out", str(tmp_path)]
     assert main([*args, "--set", "train.total_steps=6", "--last-k", "2"]) == 1
     out = capsys.readouterr().out

@@ -1,16 +1,35 @@
+import io
 import json
+import re
+import subprocess
+import sys
 
 import pytest
 
 from megatron_grpo.config import MetricsConfig
-from megatron_grpo.metrics import MetricsLogger, format_line, plot_run, read_metrics
+from megatron_grpo.metrics import (
+    NAMESPACES,
+    STDOUT_KEYS,
+    MetricsLogger,
+    format_line,
+    namespaced,
+    plot_run,
+    read_metrics,
+)
 from megatron_grpo.rollout.weight_sync import buckets
 
 
 def test_jsonl_tensorboard_and_plots(tmp_path, capsys):
     log = MetricsLogger(tmp_path, MetricsConfig(tensorboard=True), enabled=True, run_config={})
     for step in (1, 2, 3):
-        log.log(step, {"reward_mean": 0.1 * step, "response_length_mean": 3.0 + step, "loss": 0.5})
+        log.log(
+            step,
+            {
+                "rollout/reward_mean": 0.1 * step,
+                "rollout/response_length_mean": 3.0 + step,
+                "train/loss": 0.5,
+            },
+        )
     log.close()
     rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == [1, 2, 3]
@@ -23,20 +42,94 @@ def test_jsonl_tensorboard_and_plots(tmp_path, capsys):
 
 def test_disabled_logger_writes_nothing(tmp_path):
     log = MetricsLogger(tmp_path / "x", MetricsConfig(), enabled=False, run_config={})
-    log.log(1, {"loss": 1.0})
+    log.log(1, {"train/loss": 1.0})
     assert not (tmp_path / "x").exists()
 
 
 def test_plot_errors_are_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="no metrics file"):
         plot_run(tmp_path)
-    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 1.0}) + "\n")
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "train/loss": 1.0}) + "\n")
     with pytest.raises(ValueError, match="no reward or length metrics"):
         plot_run(tmp_path)
 
 
 def test_format_line_skips_missing_and_nan():
-    assert format_line(5, {"loss": float("nan"), "kl": 0.25}) == "step    5 | kl 0.25"
+    assert format_line(5, {"train/loss": float("nan"), "train/kl": 0.25}) == "step    5 | kl 0.25"
+    assert format_line(5, {"train/kl": 0.25}, total_steps=40) == "step    5/40 | kl 0.25"
+    assert format_line(5, {"kl": 0.25}) == "step    5", "names outside a namespace are not shown"
+
+
+def test_metric_names_are_grouped_by_concern():
+    assert namespaced("train", {"loss": 1.0}) == {"train/loss": 1.0}
+    assert all(k.split("/")[0] in NAMESPACES for k in STDOUT_KEYS)
+
+
+LOG_THREE_STEPS = """
+import sys
+from megatron_grpo.config import MetricsConfig
+from megatron_grpo.metrics import MetricsLogger
+
+log = MetricsLogger(sys.argv[1], MetricsConfig(tensorboard=False), enabled=True,
+                    run_config={}, total_steps=4, start_step=1)
+for step in (2, 3, 4):
+    log.log(step, {"rollout/reward_mean": 0.25 * step, "train/loss": 0.5})
+log.close()
+"""
+
+
+def test_redirected_output_has_one_plain_line_per_step(tmp_path):
+    """As under ``> run.log 2>&1``: stdout and stderr into one file, no terminal."""
+    log_file = tmp_path / "run.log"
+    with log_file.open("w") as f:
+        subprocess.run(
+            [sys.executable, "-c", LOG_THREE_STEPS, str(tmp_path / "run")],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            check=True,
+            timeout=120,
+        )
+    text = log_file.read_bytes().decode()  # read_text() would turn a "\r" into a line break
+    assert "\r" not in text, f"carriage returns of a progress bar in the log:\n{text!r}"
+    lines = text.splitlines()
+    assert [line.split(" | ")[0] for line in lines] == ["step    2/4", "step    3/4", "step    4/4"]
+    assert lines[1].startswith("step    3/4 | reward_mean 0.75 | loss 0.5 | elapsed "), lines[1]
+    times = r" \| elapsed \d\d:\d\d \| remaining \d\d:\d\d$"
+    assert all(re.search(times, line) for line in lines), text
+    assert lines[-1].endswith("| remaining 00:00"), lines[-1]
+
+
+class FakeTerminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("tty", [True, False])
+def test_progress_bar_only_on_a_terminal(tmp_path, monkeypatch, tty):
+    stream = FakeTerminal if tty else io.StringIO
+    out, err = stream(), stream()
+    monkeypatch.setattr(sys, "stdout", out)
+    monkeypatch.setattr(sys, "stderr", err)
+    log = MetricsLogger(
+        tmp_path, MetricsConfig(tensorboard=False), enabled=True, run_config={}, total_steps=2
+    )
+    for step in (1, 2):
+        log.log(step, {"rollout/reward_mean": 0.5, "train/kl": 0.25})
+    log.close()
+    lines = out.getvalue().splitlines()
+    if tty:  # the bar on stderr, the step lines above it as format_line writes them
+        assert "GRPO steps" in err.getvalue() and "\r" in err.getvalue(), err.getvalue()
+        assert "2/2" in err.getvalue(), err.getvalue()
+        assert lines == [
+            "step    1 | reward_mean 0.5 | kl 0.25",
+            "step    2 | reward_mean 0.5 | kl 0.25",
+        ]
+    else:
+        assert err.getvalue() == ""
+        assert [line.split(" | elapsed ")[0] for line in lines] == [
+            "step    1/2 | reward_mean 0.5 | kl 0.25",
+            "step    2/2 | reward_mean 0.5 | kl 0.25",
+        ]
 
 
 def test_weight_buckets_are_size_bounded():

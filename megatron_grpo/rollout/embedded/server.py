@@ -390,15 +390,7 @@ def start_embedded_server(
     directory's tokenizer is loaded when it has one (needed only for ``text``
     input and output text).
     """
-    if isinstance(model_or_dir, (str, os.PathLike)):
-        model_path = str(model_or_dir)
-        model = load_hf_model(model_path)
-        if tokenizer is None and _has_tokenizer(Path(model_path)):
-            tokenizer = AutoTokenizer.from_pretrained(model_path)
-    else:
-        model_path = getattr(model_or_dir, "name_or_path", "") or "<in-memory model>"
-        # A copy: the caller keeps its model, and weight updates here stay here.
-        model = copy.deepcopy(model_or_dir).float().eval()
+    model, model_path, tokenizer = _served_model(model_or_dir, tokenizer)
     engine = GenerationEngine(
         model,
         eos_token_ids=_eos_token_ids(model),
@@ -452,6 +444,22 @@ def start_embedded_server(
         _runner=runner,
         _thread=thread,
     )
+
+
+def _served_model(
+    model_or_dir: PreTrainedModel | str | os.PathLike[str],
+    tokenizer: PreTrainedTokenizerBase | None,
+) -> tuple[PreTrainedModel, str, PreTrainedTokenizerBase | None]:
+    """The model to serve, the ``model_path`` the server reports, and the tokenizer if any."""
+    if isinstance(model_or_dir, (str, os.PathLike)):
+        model_path = str(model_or_dir)
+        model = load_hf_model(model_path)
+        if tokenizer is None and _has_tokenizer(Path(model_path)):
+            tokenizer = AutoTokenizer.from_pretrained(model_path)
+        return model, model_path, tokenizer
+    model_path = getattr(model_or_dir, "name_or_path", "") or "<in-memory model>"
+    # A copy: the caller keeps its model, and weight updates here stay here.
+    return copy.deepcopy(model_or_dir).float().eval(), model_path, tokenizer
 
 
 def _has_tokenizer(path: Path) -> bool:

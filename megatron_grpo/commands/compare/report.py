@@ -1,16 +1,9 @@
-"""Compare loss modes: the same training once per mode and seed, then figures and a table.
+"""compare-modes' report: curves over seeds, the summary table and the figures.
 
-``compare_modes`` runs ``megatron-grpo train`` in a subprocess for every
-(mode, seed), one after the other, into ``OUT/<mode>/seed_<S>``. Runs differ
-only in ``loss.mode`` and ``seed``: the data order (``data.seed``) and the
-rollout seeds of a given seed are the same for every mode. A run whose
-``metrics.jsonl`` already covers every step is reused, so an interrupted
-comparison resumes; a run that fails is reported and the others go on.
-
-It then writes, under OUT, one figure per metric with one curve per mode (mean
-over seeds, min-max band), ``series.json`` (the exact numbers plotted) and a
-summary table (``summary.csv``, ``summary.md``): final reward, length growth,
-steps to a reward threshold.
+From the runs' metrics it writes, under OUT, one figure per metric with one
+curve per mode (mean over seeds, min-max band), ``series.json`` (the exact
+numbers plotted) and a summary table (``summary.csv``, ``summary.md``): final
+reward, length growth, steps to a reward threshold.
 """
 
 from __future__ import annotations
@@ -18,38 +11,32 @@ from __future__ import annotations
 import csv
 import json
 import math
-import os
-import signal
-import subprocess
-import sys
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from megatron_grpo.config import load_config
-from megatron_grpo.metrics import read_metrics
+from megatron_grpo.commands.compare.runs import RunResult
 
 FIGURES: dict[str, tuple[str, str]] = {
-    "reward": ("reward_mean", "reward (mean over samples)"),
-    "response_length": ("response_length_mean", "response length (tokens)"),
+    "reward": ("rollout/reward_mean", "reward (mean over samples)"),
+    "response_length": ("rollout/response_length_mean", "response length (tokens)"),
     "response_length_negative_advantage": (
-        "response_length_neg_adv_mean",
+        "rollout/response_length_neg_adv_mean",
         "length, worse than group (tokens)",
     ),
     "response_length_positive_advantage": (
-        "response_length_pos_adv_mean",
+        "rollout/response_length_pos_adv_mean",
         "length, better than group (tokens)",
     ),
-    "truncated_fraction": ("truncated_fraction", "fraction of truncated responses"),
-    "grad_norm": ("grad_norm", "global gradient norm"),
-    "kl": ("kl", "KL to the reference model"),
+    "truncated_fraction": ("rollout/truncated_fraction", "fraction of truncated responses"),
+    "grad_norm": ("train/grad_norm", "global gradient norm"),
+    "kl": ("train/kl", "KL to the reference model"),
 }
 """Figure file stem -> (metrics.jsonl key, axis label)."""
 
-REWARD, LENGTH, TRUNCATED = "reward_mean", "response_length_mean", "truncated_fraction"
-NEG_LENGTH = "response_length_neg_adv_mean"
+REWARD, LENGTH = "rollout/reward_mean", "rollout/response_length_mean"
+TRUNCATED, NEG_LENGTH = "rollout/truncated_fraction", "rollout/response_length_neg_adv_mean"
 LINE_STYLES: tuple[Any, ...] = ("-", "--", "-.", ":", (0, (3, 1, 1, 1, 1, 1)))
 
 
@@ -122,102 +109,6 @@ def aggregate(per_seed_rows: dict[int, list[dict[str, Any]]], key: str) -> Serie
         std=[math.sqrt(mean([(x - m) ** 2 for x in c])) for c, m in zip(columns, means)],
         per_seed={seed: [by_seed[seed][s] for s in steps] for seed in by_seed},
     )
-
-
-# --------------------------------------------------------------------------- runs
-
-Status = Literal["trained", "reused", "failed"]
-
-
-@dataclass
-class RunResult:
-    mode: str
-    seed: int
-    run_dir: Path
-    status: Status
-    rows: list[dict[str, Any]] = field(default_factory=list)
-    """The run's metrics, one row per step (a resumed run's repeated steps: the last one)."""
-    error: str = ""
-
-    @property
-    def ok(self) -> bool:
-        return self.status != "failed"
-
-
-def run_dir_of(out: Path, mode: str, seed: int) -> Path:
-    return out / mode / f"seed_{seed}"
-
-
-def finished_rows(run_dir: Path, total_steps: int) -> list[dict[str, Any]] | None:
-    """The run's metrics if they cover steps 1..total_steps, else None."""
-    try:
-        rows = read_metrics(run_dir)
-    except (FileNotFoundError, ValueError):  # missing, or a line cut by a crash
-        return None
-    by_step = {r["step"]: r for r in rows if "step" in r}  # the last row of a step wins
-    if not set(range(1, total_steps + 1)) <= set(by_step):
-        return None
-    return [by_step[s] for s in range(1, total_steps + 1)]
-
-
-def train_command(
-    config: str | None, overrides: Sequence[str], mode: str, seed: int, run_dir: Path, nproc: int
-) -> list[str]:
-    cmd = [sys.executable, "-m", "megatron_grpo.cli", "train", "--nproc", str(nproc)]
-    if config:
-        cmd += ["--config", config]
-    ours = [f"loss.mode={mode}", f"seed={seed}", f"output_dir={run_dir}"]
-    for item in [*overrides, *ours]:  # ours come last, so they win
-        cmd += ["--set", item]
-    return cmd
-
-
-def _run_logged(cmd: list[str], log: Path, timeout: float | None) -> str:
-    """Run ``cmd`` with its output in ``log``; the error (empty when it succeeded)."""
-    with log.open("w") as f:
-        # Its own session: on a timeout the whole tree (torchrun and its workers) is killed.
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            code = proc.wait(timeout=timeout)
-        except BaseException as e:  # a timeout, or Ctrl-C: leave no worker behind
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-            if isinstance(e, subprocess.TimeoutExpired):
-                return f"timed out after {timeout:g} s"
-            raise
-    return f"exit code {code}" if code else ""
-
-
-def run_one(
-    *,
-    config: str | None,
-    overrides: Sequence[str],
-    mode: str,
-    seed: int,
-    out: Path,
-    total_steps: int,
-    nproc: int,
-    timeout: float | None,
-) -> RunResult:
-    """Train one (mode, seed), or reuse it if it already finished."""
-    run_dir = run_dir_of(out, mode, seed)
-    rows = finished_rows(run_dir, total_steps)
-    if rows is not None:
-        return RunResult(mode, seed, run_dir, "reused", rows)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    log = run_dir / "train.log"
-    error = _run_logged(train_command(config, overrides, mode, seed, run_dir, nproc), log, timeout)
-    rows = finished_rows(run_dir, total_steps)
-    if not error and rows is None:
-        error = f"metrics.jsonl does not cover steps 1..{total_steps}"
-    if error:
-        return RunResult(mode, seed, run_dir, "failed", error=f"{error}; log: {log}")
-    assert rows is not None
-    return RunResult(mode, seed, run_dir, "trained", rows)
 
 
 # --------------------------------------------------------------------------- summary
@@ -415,7 +306,7 @@ def plot_figures(series: dict[str, dict[str, Series]], out: Path, *, num_seeds: 
     return written
 
 
-# --------------------------------------------------------------------------- the command
+# --------------------------------------------------------------------------- the report
 
 
 @dataclass
@@ -473,53 +364,3 @@ def report(
     (out / "summary.md").write_text(md)
     files += [out / "series.json", out / "summary.csv", out / "summary.md"]
     return Comparison(runs, series, rows, md, files)
-
-
-def compare_modes(
-    *,
-    config: str | None,
-    modes: Sequence[str],
-    num_seeds: int,
-    out: str | Path | None = None,
-    overrides: Sequence[str] = (),
-    nproc: int = 1,
-    threshold: float = 0.5,
-    window: int = 5,
-    k: int = 5,
-    timeout: float | None = None,
-) -> Comparison:
-    """Train every (mode, seed) in turn (reusing finished runs), then write the report."""
-    if num_seeds < 1 or window < 1 or k < 1 or nproc < 1:
-        raise ValueError(
-            f"--seeds, --window, --last-k and --nproc must be >= 1, "
-            f"got {num_seeds}, {window}, {k}, {nproc}"
-        )
-    if not modes:
-        raise ValueError("--modes names no mode")
-    base = load_config(config, list(overrides))
-    out = Path(out or base.output_dir)
-    seeds = [base.seed + i for i in range(num_seeds)]
-    for mode in modes:  # every mode's config is valid before the first run starts
-        load_config(config, [*overrides, f"loss.mode={mode}"])
-    runs = []
-    jobs = [(mode, seed) for seed in seeds for mode in modes]
-    for i, (mode, seed) in enumerate(jobs, 1):
-        start = time.perf_counter()
-        result = run_one(
-            config=config,
-            overrides=overrides,
-            mode=mode,
-            seed=seed,
-            out=out,
-            total_steps=base.train.total_steps,
-            nproc=nproc,
-            timeout=timeout,
-        )
-        what = result.error if not result.ok else result.status
-        print(
-            f"[{i}/{len(jobs)}] {mode} seed {seed}: {what} "
-            f"({time.perf_counter() - start:.0f} s, {result.run_dir})",
-            flush=True,
-        )
-        runs.append(result)
-    return report(runs, modes, out, k=k, threshold=threshold, window=window)

@@ -1,0 +1,200 @@
+"""The ``sglang`` part of ``gpu_bench.py``: generation tokens/s and weight sync with SGLang.
+
+A random Qwen3-shaped model saved with transformers, ``python -m
+sglang.launch_server`` on it, generation through the trainer's
+``SGLangClient``, then the weights of a megatron learner holding the same model
+pushed to the server with ``weight_sync.push(method="tensor")``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+
+def sglang_model(tiny: bool):
+    """The served model's HF config, through the project's own ModelConfig -> HF mapping."""
+    from megatron_grpo.config import ModelConfig
+    from megatron_grpo.convert.hf_config import hf_config_from_model_config
+
+    if tiny:
+        from _common import tiny_model
+
+        cfg = tiny_model(
+            vocab_size=512, max_position_embeddings=1024, qk_layernorm=True, tie_embeddings=True
+        )
+    else:  # Qwen3-0.6B's shape
+        cfg = ModelConfig(
+            num_layers=28,
+            hidden_size=1024,
+            ffn_hidden_size=3072,
+            num_attention_heads=16,
+            num_query_groups=8,
+            head_dim=128,
+            vocab_size=151936,
+            max_position_embeddings=4096,
+            rotary_base=1000000.0,
+            qk_layernorm=True,
+            tie_embeddings=True,
+        )
+    return hf_config_from_model_config(cfg, "qwen3")
+
+
+def sglang_importable(python: str) -> tuple[bool, str]:
+    try:
+        done = subprocess.run(
+            [python, "-c", "import sglang.launch_server"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return False, str(err)
+    return done.returncode == 0, done.stderr[-2000:]
+
+
+def part_sglang(args, *, startup_timeout_s: float) -> dict[str, Any]:
+    import asyncio
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from megatron_grpo.rollout.servers import LaunchConfig, launch_servers
+
+    python = os.environ.get("SGLANG_PYTHON", sys.executable)
+    ok, why = sglang_importable(python)
+    if not ok:
+        return {"sglang": "sglang not installed", "python": python, "import_error": why}
+    work = Path(tempfile.mkdtemp(prefix="mgrpo_gpu_bench_"))
+    try:
+        hf_dir = work / "model"
+        torch.manual_seed(0)
+        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+            model = AutoModelForCausalLM.from_config(sglang_model(args.tiny))
+        model.to(torch.float32 if args.tiny else torch.bfloat16).save_pretrained(hf_dir)
+        del model
+        command = (
+            f"{python} -m sglang.launch_server --model-path {{model}} --host {{host}} "
+            f"--port {{port}} --skip-tokenizer-init {args.sglang_args}"
+        )
+        t0 = time.perf_counter()
+        group = launch_servers(
+            LaunchConfig(
+                command=command,
+                model=str(hf_dir),
+                log_dir=str(work / "logs"),
+                startup_timeout_s=startup_timeout_s,
+            )
+        )
+        try:
+            result: dict[str, Any] = {"server_start_s": time.perf_counter() - t0}
+            learner = _learner(hf_dir)
+            # One client per phase: between phases this process does other work, and a
+            # pooled keep-alive connection the server closed meanwhile would fail a call.
+            result["generation"] = asyncio.run(_generate(group.urls, args))
+            result["weight_sync"] = asyncio.run(_sync(group.urls, learner))
+        finally:
+            group.stop()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return result
+
+
+def _learner(hf_dir: Path):
+    """A megatron model (world size 1) holding the served checkpoint."""
+    from megatron_grpo.commands.convert.hf_to_megatron import resolve_hf_model
+    from megatron_grpo.config import ParallelDims
+    from megatron_grpo.convert.hf_files import HFCheckpoint, MegatronView
+    from megatron_grpo.mcore.full_state import load_full_state
+    from megatron_grpo.mcore.model import build_model
+    from megatron_grpo.mcore.parallel import init_parallel
+
+    ctx = init_parallel(ParallelDims())
+    cfg = resolve_hf_model(hf_dir)
+    model = build_model(cfg, ctx, wrap_ddp=False)
+    load_full_state(model, MegatronView(HFCheckpoint(hf_dir), cfg), cfg, ctx)
+    return model, ctx, cfg
+
+
+def _client(urls):
+    from megatron_grpo.rollout.client import ClientConfig, SGLangClient
+
+    return SGLangClient(ClientConfig(urls=tuple(urls), max_concurrency=512))
+
+
+def _prompts(num_prompts: int) -> tuple[tuple[int, ...], ...]:
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    return tuple(
+        tuple(
+            torch.randint(
+                1, 500, (int(torch.randint(64, 193, (1,), generator=g)),), generator=g
+            ).tolist()
+        )
+        for _ in range(num_prompts)
+    )
+
+
+async def _generate(urls, args) -> dict[str, Any]:
+    from megatron_grpo.rollout.types import RolloutRequest, SamplingParams
+
+    num_prompts, n = (2, 2) if args.tiny else (64, 8)
+    new_tokens = 8 if args.tiny else 512
+    prompts = _prompts(num_prompts)
+    runs = []
+    async with _client(urls) as client:
+        for rep in range(3):  # the first is a warm-up
+            request = RolloutRequest(
+                prompts=prompts,
+                num_samples=n,
+                sampling=SamplingParams(
+                    max_new_tokens=new_tokens, temperature=1.0, ignore_eos=True, seed=rep
+                ),
+            )
+            t0 = time.perf_counter()
+            samples = await client.generate(request)
+            elapsed = time.perf_counter() - t0
+            if rep:
+                runs.append(sum(len(s.output_ids) for s in samples) / elapsed)
+    return {"prompts": num_prompts, "n": n, "new_tokens": new_tokens, "tokens_per_s": runs}
+
+
+async def _sync(urls, learner) -> dict[str, Any]:
+    from megatron_grpo.rollout import weight_sync
+    from megatron_grpo.rollout.types import RolloutRequest, SamplingParams
+
+    model, ctx, cfg = learner
+    pushes = []
+    async with _client(urls) as client:
+        for version in range(1, 4):
+            t0 = time.perf_counter()
+            named = weight_sync.hf_state(model, ctx, cfg, "qwen3")
+            t1 = time.perf_counter()
+            assert named is not None
+            await weight_sync.push(
+                client, named, method="tensor", tensor_format="sglang", weight_version=str(version)
+            )
+            t2 = time.perf_counter()
+            nbytes = sum(t.numel() * t.element_size() for t in named.values())
+            pushes.append({"gather_and_map_s": t1 - t0, "push_s": t2 - t1, "bytes": nbytes})
+        check = await client.generate(
+            RolloutRequest(
+                prompts=_prompts(1),
+                sampling=SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True),
+            )
+        )
+    return {
+        "method": "tensor (SGLang's format, shared memory)",
+        "runs": pushes,
+        "gb_per_s": [p["bytes"] / (p["gather_and_map_s"] + p["push_s"]) / 1e9 for p in pushes],
+        "gb_per_s_push_only": [p["bytes"] / p["push_s"] / 1e9 for p in pushes],
+        "weight_version_after": check[0].weight_version,
+        "distributed": "not measured: NCCL refuses two ranks on one GPU",
+    }
