@@ -404,8 +404,8 @@ def test_trainer_launches_sglang_and_syncs_by_broadcast(sglang_python, tmp_path)
     # Step 2 trained on samples generated after step 1's broadcast.
     assert all(r["train/logprob_mismatch"] < LOGPROB_ATOL for r in rows), rows
     assert processes_mentioning(str(model)) == []  # the trainer stopped its server
-    mismatch = ", ".join(f"{r['logprob_mismatch']:.1e}" for r in rows)
-    sync = ", ".join(f"{r['time_sync_s']:.2f}" for r in rows)
+    mismatch = ", ".join(f"{r['train/logprob_mismatch']:.1e}" for r in rows)
+    sync = ", ".join(f"{r['perf/time_sync_s']:.2f}" for r in rows)
     print(
         f"SGLANG-TIER: trainer with a launched server, 2 steps in "
         f"{time.perf_counter() - start:.0f} s; logprob_mismatch {mismatch}; sync {sync} s"
