@@ -210,7 +210,7 @@ def _mfu_result(
 ) -> dict[str, Any]:
     import torch
 
-    from megatron_grpo.mcore.model import have_transformer_engine
+    from megatron_grpo.mcore.layers import have_transformer_engine
 
     tokens = sum(len(s) for s in samples)
     flops = model_flops(cfg, samples)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 from megatron_grpo.commands.convert.cli import add_parser as add_convert_parser
+from megatron_grpo.commands.invariance.cli import add_parser as add_invariance_parser
 from megatron_grpo.config import dump_config, load_config
 
 
@@ -52,11 +53,11 @@ def cmd_train(args: argparse.Namespace) -> int:
             print(f"megatron-grpo: error: {report.refusal()}", file=sys.stderr)
             return 2
         return 0
-    if cfg.parallel.cp > 1:  # refused here, not trained wrong: each CP rank would see it all
+    if cfg.parallel.vpp is not None:  # refused here, not trained wrong
         raise ValueError(
-            f"parallel.cp={cfg.parallel.cp}: the trainer does not split sequences over "
-            "context-parallel ranks yet; train with parallel.cp=1 (--dry-run does estimate "
-            "CP layouts)"
+            f"parallel.vpp={cfg.parallel.vpp}: the interleaved pipeline schedule computes "
+            "other logits than the same model without it on this stack (check-invariance "
+            "shows it); train with parallel.vpp=null (--dry-run does estimate VPP layouts)"
         )
     if args.nproc and "WORLD_SIZE" not in os.environ:
         return _relaunch_under_torchrun(args.nproc, sys.argv[1:])
@@ -99,52 +100,6 @@ def cmd_plot(args: argparse.Namespace) -> int:
     for path in plot_run(args.run_dir, args.out):
         print(path)
     return 0
-
-
-DEFAULT_LAYOUTS = "1x1x1,2x1x1,1x2x1,1x1x2,2x2x1,2x1x2,1x2x2"
-
-
-def cmd_check_invariance(args: argparse.Namespace) -> int:
-    from megatron_grpo.commands.invariance import Layout, check
-    from megatron_grpo.config import MODES, check_mode
-
-    modes = list(MODES) if args.mode == "all" else [args.mode]
-    for mode in modes:
-        check_mode(mode)
-    layouts = [Layout.parse(x) for x in args.layouts.split(",") if x.strip()]
-    counts = [int(x) for x in args.micro_batches.split(",")]
-    if any(c < 1 for c in counts):
-        raise ValueError(f"--micro-batches must be positive integers, got {args.micro_batches}")
-    model_cfg = (
-        load_config(args.config, args.overrides).model if args.config or args.overrides else None
-    )
-    print(
-        f"check-invariance: modes {', '.join(modes)}; layouts (DPxTPxPP) "
-        f"{', '.join(map(str, layouts))}; micro-batches {counts}; "
-        f"permutation {'on' if args.permute else 'off'}; packing {'on' if args.pack else 'off'}; "
-        f"tolerance {args.tolerance:g}"
-    )
-    errors = check(
-        layouts,
-        modes=modes,
-        micro_batch_counts=counts,
-        permute=args.permute,
-        pack=args.pack,
-        model_cfg=model_cfg,
-        timeout=args.timeout,
-    )
-    worst = max(max(v.values()) for cases in errors.values() for v in cases.values())
-    failed = [
-        f"{layout} {case}: {', '.join(f'{k} {v:.2e}' for k, v in e.items())}"
-        for layout, cases in errors.items()
-        for case, e in cases.items()
-        if max(e.values()) > args.tolerance
-    ]
-    for line in failed:
-        print(f"  FAIL {line}")
-    verdict = "FAIL" if failed else "PASS"
-    print(f"{verdict}: worst max|delta|/max|g| = {worst:.2e} (tolerance {args.tolerance:g})")
-    return 1 if failed else 0
 
 
 def cmd_compare_modes(args: argparse.Namespace) -> int:
@@ -216,39 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="where to write the PNG files (default: run_dir)")
     p.set_defaults(func=cmd_plot)
 
-    p = sub.add_parser(
-        "check-invariance",
-        help="prove the gradient of one global batch is the same at every layout",
-        description="Train one fixed global batch with the trainer's own step function "
-        "(its planner, frozen old and reference log-probs, two SGD passes) at each DPxTPxPP "
-        "layout (multi-process gloo on CPU, nccl on GPU), with several micro-batch counts, "
-        "a permutation of samples and packing, and compare gradients, SGD updates and grad "
-        "norms of each pass against the single-process run.",
-    )
-    add_config_args(p)
-    p.add_argument("--mode", default="token-mean", help="loss aggregation mode, or 'all'")
-    p.add_argument("--layouts", default=DEFAULT_LAYOUTS, help="comma-separated DPxTPxPP")
-    p.add_argument(
-        "--micro-batches",
-        default="1,3",
-        help="comma-separated micro-batch counts per rank to aim at: each sets the token "
-        "budget the trainer's planner splits the batch under",
-    )
-    p.add_argument(
-        "--no-permute",
-        dest="permute",
-        action="store_false",
-        help="skip the permutation of samples across ranks and micro-batches",
-    )
-    p.add_argument(
-        "--no-pack",
-        dest="pack",
-        action="store_false",
-        help="skip the case with samples packed into one row per micro-batch",
-    )
-    p.add_argument("--tolerance", type=float, default=1e-5)
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per layout launch")
-    p.set_defaults(func=cmd_check_invariance)
+    add_invariance_parser(sub, add_config_args)
 
     p = sub.add_parser(
         "compare-modes",

@@ -134,13 +134,26 @@ class MicroBatch:
         )
 
 
-def collate(rows: Sequence[Sequence[Sample]], *, num_groups: int) -> MicroBatch:
-    """Pad rows (each a list of samples packed end to end) into one micro-batch."""
+def collate(
+    rows: Sequence[Sequence[Sample]],
+    *,
+    num_groups: int,
+    pad_to_multiple: int = 1,
+    shape: tuple[int, int] = (0, 0),
+) -> MicroBatch:
+    """Pad rows (each a list of samples packed end to end) into one micro-batch.
+
+    The row length is padded up to a multiple of ``pad_to_multiple`` (sequence
+    parallelism splits the sequence over the TP ranks); ``shape`` (rows, length) is a
+    least size, reached with empty rows and padding (an interleaved pipeline needs every
+    micro-batch of a step in one shape).
+    """
     samples = [s for row in rows for s in row]
     if not samples:
         raise ValueError("cannot collate an empty micro-batch")
-    length = max(sum(len(s) for s in row) for row in rows)
-    B = len(rows)
+    longest = max(max(sum(len(s) for s in row) for row in rows), shape[1])
+    length = -(-longest // pad_to_multiple) * pad_to_multiple
+    B = max(len(rows), shape[0])
     tokens = torch.zeros(B, length, dtype=torch.long)
     targets = torch.zeros(B, length, dtype=torch.long)
     position_ids = torch.zeros(B, length, dtype=torch.long)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 Mode = Literal[
@@ -46,8 +46,30 @@ class OptimConfig:
     """Steps over which the rate decays after warm-up; None means constant."""
     lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
     """Shape of the decay."""
+    use_distributed_optimizer: bool = False
+    """Shard the optimizer state (fp32 master weights and Adam's two moments, 12 of the 18
+    bytes per parameter) over the data-parallel ranks: megatron-core's distributed optimizer
+    (ZeRO-1). Adam only. Its gradients and updates are checked (check-invariance
+    --features distopt); a run resumed from its checkpoint does not yet continue bit for
+    bit (the Adam state comes back slightly off), hence off by default."""
+    overlap_grad_reduce: bool = True
+    """Reduce (or reduce-scatter) gradients in buckets while the backward pass runs."""
+    overlap_param_gather: bool = True
+    """With the distributed optimizer: all-gather the updated parameters during the next
+    forward pass instead of right after the step. The trainer gathers them first whenever
+    it reads the weights (weight sync, checkpoints)."""
+
+    @property
+    def distributed_optimizer(self) -> bool:
+        """Whether the optimizer state is sharded over DP (``use_distributed_optimizer``)."""
+        return self.use_distributed_optimizer
 
     def __post_init__(self) -> None:
+        if self.use_distributed_optimizer and self.optimizer != "adam":
+            raise ValueError(
+                f"optim.use_distributed_optimizer=true needs optim.optimizer=adam, got "
+                f"{self.optimizer!r} (megatron-core shards only Adam's state)"
+            )
         if self.lr < 0 or self.min_lr < 0:
             raise ValueError(
                 f"optim.lr and optim.min_lr must be >= 0, got {self.lr}, {self.min_lr}"
@@ -135,8 +157,26 @@ class TrainConfig:
     """Save a checkpoint every this many steps (and at the end); 0 saves only at the end."""
     keep_last: int = 2
     """Checkpoints kept on disk."""
+    recompute_granularity: Literal["full", "selective"] | None = None
+    """Recompute activations in the backward pass instead of keeping them (megatron-core's
+    activation checkpointing): ``full`` keeps only the input of each recomputed layer,
+    ``selective`` recomputes ``recompute_modules`` inside every layer; None keeps all."""
+    recompute_method: Literal["uniform", "block"] = "uniform"
+    """full: ``uniform`` recomputes every layer, in groups of ``recompute_num_layers``;
+    ``block`` recomputes the first ``recompute_num_layers`` layers of each pipeline stage."""
+    recompute_num_layers: int = 1
+    """full: layers per recomputed group (uniform) or recomputed layers per stage (block)."""
+    recompute_modules: list[str] = field(default_factory=lambda: ["core_attn"])
+    """selective: the parts of a layer to recompute (megatron-core's names, e.g. core_attn,
+    mlp, layernorm)."""
 
     def __post_init__(self) -> None:
+        if self.recompute_num_layers < 1:
+            raise ValueError(
+                f"train.recompute_num_layers must be >= 1, got {self.recompute_num_layers}"
+            )
+        if self.recompute_granularity == "selective" and not self.recompute_modules:
+            raise ValueError("train.recompute_granularity=selective needs train.recompute_modules")
         for name in ("total_steps", "num_iterations", "max_tokens_per_micro_batch", "keep_last"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")

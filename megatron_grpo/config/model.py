@@ -48,7 +48,8 @@ class ModelConfig:
     init_method_std: float = 0.02
     """Standard deviation of the weight initialization."""
     params_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Parameter and activation dtype."""
+    """Parameter and activation dtype (bfloat16 keeps fp32 master weights and gradients;
+    float16 is refused: it needs a loss scaler)."""
     hf_family: HFFamily = "qwen2"
     """Hugging Face architecture the weights map to (weight sync, export)."""
 
@@ -66,6 +67,11 @@ class ModelConfig:
         if self.rope_scaling_factor is not None and self.rope_scaling_factor <= 0:
             raise ValueError(
                 f"model.rope_scaling_factor must be > 0, got {self.rope_scaling_factor}"
+            )
+        if self.params_dtype == "float16":
+            raise ValueError(
+                "model.params_dtype=float16 is not supported: fp16 training needs a dynamic loss "
+                "scaler, which the trainer does not run; use bfloat16"
             )
         if self.head_dim is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(
@@ -87,18 +93,33 @@ class ParallelDims:
     pp: int = 1
     """Pipeline-parallel size."""
     cp: int = 1
-    """Context-parallel size."""
+    """Context-parallel size; only 1 (sequences are not split over CP ranks)."""
     vpp: int | None = None
-    """Virtual pipeline stages per rank (interleaved 1F1B), or None."""
+    """Virtual pipeline stages per rank (interleaved 1F1B), or None. The planner then makes
+    each rank's micro-batch count a multiple of ``pp``, as the interleaved schedule needs."""
+    sequence_parallel: bool = True
+    """Split the activations outside attention and the MLP along the sequence over the TP
+    ranks (megatron-core's ``sequence_parallel``; only when tp > 1). Saves activation
+    memory by about TP; rows are padded to a multiple of TP."""
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "cp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
+        if self.cp > 1:
+            raise ValueError(
+                f"parallel.cp={self.cp}: context parallelism is not supported (sequences are "
+                "not split over CP ranks, and it needs Transformer Engine attention); use "
+                "parallel.cp=1"
+            )
         if self.vpp is not None and (self.vpp < 2 or self.pp < 2):
             raise ValueError(
                 f"parallel.vpp={self.vpp} needs vpp >= 2 and pp >= 2 (pp is {self.pp})"
             )
+
+    @property
+    def uses_sequence_parallel(self) -> bool:
+        return self.sequence_parallel and self.tp > 1
 
     @property
     def model_parallel_size(self) -> int:

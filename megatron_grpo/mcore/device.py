@@ -1,7 +1,8 @@
 """The device layer: lets megatron-core run on CPU (gloo) when CUDA is absent.
 
 megatron-core assumes CUDA in a handful of places: ``device="cuda"`` factory
-calls (schedules, causal masks, grad clipping), ``torch.cuda.current_device()``
+calls (schedules, causal masks, grad clipping, also in the forward that activation
+recomputation reruns during backward), ``torch.cuda.current_device()``
 (p2p communication, DDP buffers, rotary embeddings), the CUDA RNG behind the
 model-parallel RNG tracker, and a ``param.grad.type() == 'torch.cuda.FloatTensor'``
 assertion in grad clipping. On a machine without CUDA, :func:`install` routes all
@@ -85,5 +86,17 @@ def install() -> None:
     torch.cuda.random.get_rng_state = _cpu_rng_state  # type: ignore[assignment]
     mcore_random._get_cuda_rng_state = _cpu_rng_state
     mcore_random._set_cuda_rng_state = _set_cpu_rng_state
+    # Activation recomputation reruns the forward inside autograd's backward, which torch
+    # runs outside the function mode: the recomputed forward needs the mode too.
+    for fn in (mcore_random.CheckpointFunction, mcore_random.CheckpointWithoutOutputFunction):
+        fn.backward = staticmethod(_in_cpu_mode(fn.backward))  # type: ignore[method-assign]
     _CudaToCpuMode().__enter__()
     _installed = True
+
+
+def _in_cpu_mode(backward):
+    def run(*args: Any) -> Any:
+        with _CudaToCpuMode():
+            return backward(*args)
+
+    return run

@@ -22,8 +22,7 @@ the log-softmax).
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
@@ -39,28 +38,29 @@ from megatron_grpo.convert.weights import (
     with_layer_index,
 )
 from megatron_grpo.mcore.checkpoint import model_sharded_state_dict
-from megatron_grpo.mcore.model import unwrap
+from megatron_grpo.mcore.model import sync_params, unwrap
 from megatron_grpo.mcore.parallel import ParallelContext
 
 _VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
-@contextlib.contextmanager
-def _params_as_grads(model: list) -> Iterator[None]:
-    """Temporarily point every parameter's data at its (DDP main) gradient."""
-    saved = []
-    for chunk in model:
-        for p in chunk.parameters():
+def _grad_of(view: Tensor, params: list[torch.nn.Parameter]) -> Tensor:
+    """The gradient of ``view``, a view into one parameter's storage: the same view of that
+    parameter's DDP ``main_grad`` (in its own, fp32, dtype).
+
+    Parameters are not swapped for their gradients: changing a parameter's dtype would
+    reset its gradient accumulator and with it DDP's hook.
+    """
+    for p in params:
+        start = p.data_ptr()
+        if start <= view.data_ptr() < start + p.numel() * p.element_size():
             grad = getattr(p, "main_grad", None)
             if grad is None:
-                grad = p.grad if p.grad is not None else torch.zeros_like(p)
-            saved.append((p, p.data))
-            p.data = grad.to(p.dtype)
-    try:
-        yield
-    finally:
-        for p, data in saved:
-            p.data = data
+                grad = p.grad if p.grad is not None else torch.zeros_like(p, dtype=torch.float32)
+            offset = (view.data_ptr() - start) // p.element_size()
+            assert grad.is_contiguous() and p.is_contiguous()
+            return grad.as_strided(view.shape, view.stride(), grad.storage_offset() + offset)
+    raise AssertionError("a sharded tensor is not a view of any parameter")
 
 
 def _local_shards(model: list) -> list[tuple[str, int, tuple[int, ...], tuple, Tensor]]:
@@ -89,18 +89,38 @@ def _full_names(key: str, prepend: int, full: Tensor) -> dict[str, Tensor]:
 
 
 def gather_full_state(
-    model: list, ctx: ParallelContext, *, vocab_size: int, grads: bool = False, dst: int = 0
+    model: list,
+    ctx: ParallelContext,
+    *,
+    vocab_size: int,
+    grads: bool = False,
+    dst: int = 0,
+    replica_spread: dict[str, float] | None = None,
 ) -> dict[str, Tensor] | None:
     """Full tensors on global rank ``dst`` (None elsewhere): parameters, or gradients.
 
     Gathers the whole model onto one rank: meant for checks, small models and
-    conversion, not for streaming a large model.
+    conversion, not for streaming a large model. Parameters are brought up to date first
+    (``sync_params``); gradients are DDP's reduced ``main_grad``, which the distributed
+    optimizer holds only on each rank's own shard, gathered in their own (fp32) dtype.
+
+    Several ranks hold copies of the same slice (DP replicas, TP-replicated norms);
+    with ``replica_spread`` given, it receives for each tensor the largest difference
+    between copies (0.0 when they agree), on ``dst``.
     """
-    with _params_as_grads(model) if grads else contextlib.nullcontext():
-        local = [
-            (key, prepend, shape, sl, data.detach().to("cpu", copy=True))
-            for key, prepend, shape, sl, data in _local_shards(model)
-        ]
+    if not grads:
+        sync_params(model)
+    params = [p for chunk in model for p in chunk.parameters()]
+    local = [
+        (
+            key,
+            prepend,
+            shape,
+            sl,
+            (_grad_of(data, params) if grads else data).detach().to("cpu", copy=True),
+        )
+        for key, prepend, shape, sl, data in _local_shards(model)
+    ]
     gathered: list | None = [None] * ctx.world_size if ctx.rank == dst else None
     dist.gather_object(local, gathered, dst=dst)
     if gathered is None:
@@ -112,6 +132,11 @@ def gather_full_state(
             if key not in full:
                 full[key] = torch.full(shape, float("nan"), dtype=data.dtype)
                 prepends[key] = prepend
+            region = full[key][sl]
+            held = ~torch.isnan(region)
+            if replica_spread is not None and bool(held.any()):
+                spread = float((region[held] - data[held]).abs().max())
+                replica_spread[key] = max(replica_spread.get(key, 0.0), spread)
             full[key][sl] = data
     out: dict[str, Tensor] = {}
     for key, tensor in full.items():

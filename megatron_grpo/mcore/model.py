@@ -18,7 +18,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from megatron_grpo.config import ModelConfig
+from megatron_grpo.config import ModelConfig, OptimConfig, TrainConfig
+from megatron_grpo.mcore.layers import block_spec
 from megatron_grpo.mcore.parallel import ParallelContext
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -31,16 +32,9 @@ def unwrap(chunk: torch.nn.Module) -> Any:
     return chunk
 
 
-def have_transformer_engine() -> bool:
-    try:
-        import transformer_engine  # noqa: F401
-    except ImportError:
-        return False
-    return torch.cuda.is_available()
-
-
-def transformer_config(cfg: ModelConfig, ctx: ParallelContext):
-    """megatron-core TransformerConfig for ``cfg`` at the layout of ``ctx``."""
+def transformer_config(cfg: ModelConfig, ctx: ParallelContext, train: TrainConfig | None = None):
+    """megatron-core TransformerConfig for ``cfg`` at the layout of ``ctx``, with the
+    activation recomputation of ``train`` (none without it)."""
     from megatron.core.transformer import TransformerConfig
 
     ctx.dims.validate_model(
@@ -84,10 +78,25 @@ def transformer_config(cfg: ModelConfig, ctx: ParallelContext):
         attention_softmax_in_fp32=True,
         variable_seq_lengths=True,
         moe_token_dispatcher_type="alltoall",  # required by variable_seq_lengths; no MoE here
+        sequence_parallel=ctx.dims.uses_sequence_parallel,
+        **_recompute(train),
         # The loss owns normalization: no division by micro-batch count or DP size.
         calculate_per_token_loss=True,
         finalize_model_grads_func=functools.partial(_finalize_grads, pg=ctx.pg),
     )
+
+
+def _recompute(train: TrainConfig | None) -> dict:
+    """TransformerConfig's recompute fields for ``train`` (megatron-core's names)."""
+    if train is None or train.recompute_granularity is None:
+        return {}
+    if train.recompute_granularity == "selective":
+        return {"recompute_granularity": "selective", "recompute_modules": train.recompute_modules}
+    return {
+        "recompute_granularity": "full",
+        "recompute_method": train.recompute_method,
+        "recompute_num_layers": train.recompute_num_layers,
+    }
 
 
 def _finalize_grads(model, num_tokens=None, pg_collection=None, force_all_reduce=False, *, pg):
@@ -104,28 +113,22 @@ def _finalize_grads(model, num_tokens=None, pg_collection=None, force_all_reduce
     )
 
 
-def layer_spec(cfg: ModelConfig):
-    if have_transformer_engine():
-        from megatron.core.models.gpt.gpt_layer_specs import (
-            get_gpt_layer_with_transformer_engine_spec,
-        )
-
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=cfg.qk_layernorm)
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-    return get_gpt_layer_local_spec(qk_layernorm=cfg.qk_layernorm, normalization="RMSNorm")
-
-
-def build_gpt(cfg: ModelConfig, ctx: ParallelContext, *, vp_stage: int | None = None):
+def build_gpt(
+    cfg: ModelConfig,
+    ctx: ParallelContext,
+    *,
+    train: TrainConfig | None = None,
+    vp_stage: int | None = None,
+):
     """One GPTModel chunk (this rank's pipeline stage), not wrapped."""
     from megatron.core.models.gpt import GPTModel
 
-    tcfg = transformer_config(cfg, ctx)
+    tcfg = transformer_config(cfg, ctx, train)
     num_chunks = ctx.dims.vpp or 1
     chunk = vp_stage or 0
     return GPTModel(
         config=tcfg,
-        transformer_layer_spec=layer_spec(cfg),
+        transformer_layer_spec=block_spec(cfg, tcfg, vp_stage=vp_stage, pp_rank=ctx.pp_rank),
         vocab_size=cfg.padded_vocab_size(ctx.dims.tp),
         max_sequence_length=cfg.max_position_embeddings,
         pre_process=ctx.is_first_stage and chunk == 0,
@@ -141,23 +144,37 @@ def build_gpt(cfg: ModelConfig, ctx: ParallelContext, *, vp_stage: int | None = 
     )
 
 
-def build_model(cfg: ModelConfig, ctx: ParallelContext, *, wrap_ddp: bool = True) -> list:
-    """This rank's model chunks (one per virtual stage), wrapped in megatron-core DDP."""
+def build_model(
+    cfg: ModelConfig,
+    ctx: ParallelContext,
+    *,
+    optim: OptimConfig | None = None,
+    train: TrainConfig | None = None,
+    wrap_ddp: bool = True,
+) -> list:
+    """This rank's model chunks (one per virtual stage), wrapped in megatron-core DDP.
+
+    ``optim`` sets how gradients and parameters move (distributed optimizer, overlapped
+    reduce and gather; plain all-reduce without it) and must be the config the optimizer is
+    built from; ``train`` sets activation recomputation.
+    """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     stages = [None] if ctx.dims.vpp is None else list(range(ctx.dims.vpp))
-    chunks = [build_gpt(cfg, ctx, vp_stage=s) for s in stages]
+    chunks = [build_gpt(cfg, ctx, train=train, vp_stage=s) for s in stages]
     if torch.cuda.is_available():
         chunks = [c.cuda() for c in chunks]
     if not wrap_ddp:
         return chunks
+    distributed = optim is not None and optim.distributed_optimizer
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
-        overlap_grad_reduce=False,
-        use_distributed_optimizer=False,
+        overlap_grad_reduce=optim is not None and optim.overlap_grad_reduce,
+        overlap_param_gather=distributed and optim is not None and optim.overlap_param_gather,
+        use_distributed_optimizer=distributed,
         average_in_collective=False,
     )
-    return [
+    wrapped = [
         DistributedDataParallel(
             config=c.config,
             ddp_config=ddp_config,
@@ -167,3 +184,30 @@ def build_model(cfg: ModelConfig, ctx: ParallelContext, *, wrap_ddp: bool = True
         )
         for i, c in enumerate(chunks)
     ]
+    if ddp_config.overlap_grad_reduce:
+        # The schedule must hold the reduction back until the last micro-batch's backward
+        # (else every micro-batch would reduce the sum so far) and start it per chunk.
+        no_sync = [c.no_sync for c in wrapped]
+        grad_sync = [c.start_grad_sync for c in wrapped]
+        for c in wrapped:
+            c.config.no_sync_func = no_sync[0] if len(wrapped) == 1 else no_sync
+            c.config.grad_sync_func = grad_sync[0] if len(wrapped) == 1 else grad_sync
+    return wrapped
+
+
+def sync_params(model: list) -> None:
+    """Bring every parameter up to date after an optimizer step.
+
+    With the distributed optimizer and an overlapped parameter gather, a step updates
+    only each rank's shard; the full parameters arrive during the next forward pass.
+    Anything that reads the weights before then (weight sync, checkpoints, a full-state
+    gather) calls this first. Collective over DP; a no-op otherwise.
+    """
+    for chunk in model:
+        ddp_config = getattr(chunk, "ddp_config", None)
+        if ddp_config is not None and ddp_config.overlap_param_gather:
+            chunk.start_param_sync(force_sync=True)
+            # The forced gather marks this iteration's gather as done; the next forward
+            # must still gather whatever a later optimizer step writes.
+            for group in chunk.bucket_groups:
+                group.param_gather_dispatched = False

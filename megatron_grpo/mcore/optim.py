@@ -8,9 +8,20 @@ from megatron_grpo.mcore.parallel import ParallelContext
 
 
 def build_optimizer(cfg: OptimConfig, model_cfg: ModelConfig, model: list, ctx: ParallelContext):
-    """A megatron-core optimizer over ``model``'s chunks and its LR/WD scheduler."""
+    """A megatron-core optimizer over ``model``'s chunks and its LR/WD scheduler.
+
+    ``model`` must be built with the same ``cfg`` (``build_model(optim=cfg)``): the
+    distributed optimizer needs DDP's sharded buffers.
+    """
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    built_for = model[0].ddp_config.use_distributed_optimizer
+    if built_for != cfg.distributed_optimizer:
+        raise ValueError(
+            f"the model's DDP was built with use_distributed_optimizer={built_for}, the "
+            f"optimizer config says {cfg.distributed_optimizer}: build both from one OptimConfig"
+        )
 
     dtype = DTYPES[model_cfg.params_dtype]
     ocfg = OptimizerConfig(
@@ -24,9 +35,8 @@ def build_optimizer(cfg: OptimConfig, model_cfg: ModelConfig, model: list, ctx: 
         sgd_momentum=0.0,
         clip_grad=cfg.clip_grad,
         bf16=model_cfg.params_dtype == "bfloat16",
-        fp16=model_cfg.params_dtype == "float16",
         params_dtype=dtype,
-        use_distributed_optimizer=False,
+        use_distributed_optimizer=cfg.distributed_optimizer,
     )
     optimizer = get_megatron_optimizer(
         ocfg, model, use_gloo_process_groups=False, pg_collection=ctx.pg

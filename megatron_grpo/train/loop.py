@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from megatron_grpo.config import Config, dump_config, to_dict
-from megatron_grpo.mcore.model import build_model, have_transformer_engine
+from megatron_grpo.mcore.layers import have_transformer_engine
+from megatron_grpo.mcore.model import build_model, sync_params
 from megatron_grpo.mcore.optim import build_optimizer
 from megatron_grpo.mcore.parallel import broadcast_object, init_parallel
 from megatron_grpo.metrics import MetricsLogger, namespaced
@@ -30,9 +31,10 @@ def train(cfg: Config) -> None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.yaml").write_text(dump_config(cfg))
         print(dump_config(cfg), flush=True)
-    model = build_model(cfg.model, ctx)
-    optimizer, scheduler = build_optimizer(cfg.optim, cfg.model, model, ctx)
+    model = build_model(cfg.model, ctx, optim=cfg.optim, train=cfg.train)
     sources.load_initial_weights(model, cfg, ctx)
+    # after the weights: bf16 and the distributed optimizer copy them into fp32 master weights
+    optimizer, scheduler = build_optimizer(cfg.optim, cfg.model, model, ctx)
     ref_model = None
     if cfg.loss.kl_coef:  # frozen copy of the initial policy, forward only
         ref_model = build_model(cfg.model, ctx, wrap_ddp=False)
@@ -67,6 +69,7 @@ def train(cfg: Config) -> None:
         history = train_on_rollout(
             model, optimizer, scheduler, ctx, batch.samples, cfg.loss, settings, ref_model=ref_model
         )
+        sync_params(model)  # weight sync and checkpoints read the full parameters
         t2 = time.perf_counter()
         if rollout is not None:
             rollout.sync(model, step)

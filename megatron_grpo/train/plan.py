@@ -116,6 +116,34 @@ def _padded_rows(order: Sequence[int], lengths: Sequence[int], max_tokens: int):
     return [[[order[t]] for t in range(a, b)] for a, b in zip(bounds, bounds[1:])]
 
 
+def split_to_multiple(micro_batches: list[list[list[int]]], multiple: int) -> list[list[list[int]]]:
+    """Split micro-batches until there are a positive multiple of ``multiple`` of them.
+
+    The interleaved (virtual pipeline) schedule runs micro-batches in groups of PP. The
+    micro-batch with the most samples is halved each time: its rows, or the samples of
+    its one packed row.
+    """
+    out = [list(mb) for mb in micro_batches]
+    while not out or len(out) % multiple:
+        sizes = [sum(len(row) for row in mb) for mb in out]
+        if not out or max(sizes) < 2:
+            raise ValueError(
+                f"{sum(sizes)} samples on a DP rank cannot make a multiple of {multiple} "
+                "micro-batches, as the interleaved pipeline schedule (parallel.vpp) needs; "
+                "give each DP rank more samples (train.global_batch_size) or set parallel.vpp "
+                "to null"
+            )
+        i = max(range(len(out)), key=lambda k: (sizes[k], -k))
+        mb = out[i]
+        if len(mb) > 1:
+            halves = [mb[: len(mb) // 2], mb[len(mb) // 2 :]]
+        else:
+            row = mb[0]
+            halves = [[row[: len(row) // 2]], [row[len(row) // 2 :]]]
+        out[i : i + 1] = halves
+    return out
+
+
 def plan(lengths: Sequence[int], *, dp_size: int, max_tokens: int, packed: bool) -> Plan:
     return Plan([pack(r, lengths, max_tokens, packed=packed) for r in balance(lengths, dp_size)])
 

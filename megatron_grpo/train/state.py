@@ -10,6 +10,7 @@ layout: the distributed checkpoint reshards on load.
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import shutil
@@ -19,7 +20,10 @@ from typing import Any
 import torch
 
 from megatron_grpo.mcore import checkpoint
+from megatron_grpo.mcore.model import sync_params
 from megatron_grpo.mcore.parallel import ParallelContext
+
+logger = logging.getLogger(__name__)
 
 
 def checkpoints_dir(output_dir: str | Path) -> Path:
@@ -43,7 +47,11 @@ def _sharded_state(
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     state = checkpoint.model_sharded_state_dict(model)
-    state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading)
+    # The distributed optimizer's state is saved in the canonical per-parameter form, so that
+    # a checkpoint loads at any layout (as the model's does), not only at its own DP size.
+    state["optimizer"] = optimizer.sharded_state_dict(
+        state, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "dp_reshardable"}
+    )
     if with_rng:  # one RNG state per rank: ranks draw different streams
         rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
         state["rng"] = ShardedObject("rng_state", rng, (ctx.world_size,), (ctx.rank,), replica_id=0)
@@ -62,6 +70,7 @@ def save(
     keep_last: int,
 ) -> Path:
     """Save everything needed to resume after ``step``; prune old checkpoints."""
+    sync_params(model)  # the saved model weights are the updated ones
     state = _sharded_state(model, optimizer, ctx, is_loading=False)
     state["scheduler"] = scheduler.state_dict()
     state["step"] = step
@@ -91,14 +100,39 @@ def load(
     from megatron.core.dist_checkpointing import load_common_state_dict
 
     same_world = load_common_state_dict(str(path)).get("world_size") == ctx.world_size
+    if _allocate_optimizer_state(optimizer):
+        logger.warning(
+            "resuming with the distributed optimizer: the run continues from %s, but not bit "
+            "for bit as an uninterrupted run would (its Adam state comes back slightly off)",
+            path,
+        )
     # Entries that are not sharded (scheduler, step, extra) come back from the
     # checkpoint's common part on their own.
     state = _sharded_state(model, optimizer, ctx, is_loading=True, with_rng=same_world)
     loaded = checkpoint.load(state, path)
     checkpoint.load_model_state(model, loaded)
-    optimizer.load_state_dict(loaded["optimizer"])
+    with torch.no_grad():  # megatron-core copies into its fp32 master weights in place
+        optimizer.load_state_dict(loaded["optimizer"])
     scheduler.load_state_dict(loaded["scheduler"])
     if same_world:
         torch.set_rng_state(loaded["rng"]["torch"])
         random.setstate(loaded["rng"]["python"])
     return int(loaded["step"]), loaded["extra"]
+
+
+def _allocate_optimizer_state(optimizer) -> bool:
+    """Give a fresh distributed optimizer its (Adam) state tensors, which the load then fills.
+
+    Its sharded state dict reads the state it is loaded into, and before a first step there
+    is none: megatron-core's own initializer does a zero-gradient step on the fp32 master
+    shards; weights and master copies come from the checkpoint afterwards. Returns whether
+    any part of ``optimizer`` is a distributed optimizer.
+    """
+    distributed = False
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        allocate = getattr(inner, "_init_optimizer_states_with_dummy_values", None)
+        if allocate is not None:
+            distributed = True
+            if not inner.optimizer.state:
+                allocate()
+    return distributed

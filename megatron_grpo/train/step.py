@@ -32,7 +32,7 @@ from megatron_grpo.config import LossConfig
 from megatron_grpo.mcore.device import compute_device
 from megatron_grpo.mcore.parallel import ParallelContext
 from megatron_grpo.mcore.schedule import LossFn, run_schedule, zero_grads
-from megatron_grpo.train.plan import plan
+from megatron_grpo.train.plan import plan, split_to_multiple
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,7 +65,10 @@ def plan_micro_batches(
     """This rank's micro-batches of one global batch, on the compute device.
 
     Group ids are renumbered to be local to the global batch, whose groups are
-    what the loss modes count.
+    what the loss modes count. With a virtual pipeline the count is made a multiple
+    of PP and every micro-batch padded to one shape (megatron-core's interleaved
+    schedule pairs activations and their gradients by shape); with sequence
+    parallelism rows are padded to a multiple of TP.
     """
     groups = sorted({x.group for x in batch})
     local_group = {g: i for i, g in enumerate(groups)}
@@ -86,10 +89,24 @@ def plan_micro_batches(
         max_tokens=settings.max_tokens_per_micro_batch,
         packed=settings.pack,
     )
+    rank_plan = p.micro_batches(ctx.dp_rank)
+    shape = (0, 0)
+    if ctx.dims.vpp is not None:
+        rank_plan = split_to_multiple(rank_plan, ctx.dims.pp)
+        shape = (
+            max(len(mb) for mb in rank_plan),
+            max(sum(len(samples[i]) for i in row) for mb in rank_plan for row in mb),
+        )
+    pad = ctx.dims.tp if ctx.dims.uses_sequence_parallel else 1
     device = compute_device()
     return [
-        collate([[samples[i] for i in row] for row in mb], num_groups=len(groups)).to(device)
-        for mb in p.micro_batches(ctx.dp_rank)
+        collate(
+            [[samples[i] for i in row] for row in mb],
+            num_groups=len(groups),
+            pad_to_multiple=pad,
+            shape=shape,
+        ).to(device)
+        for mb in rank_plan
     ]
 
 

@@ -13,12 +13,14 @@ def planted_bug_layout(*, bug: str, **kwargs):
     """run_layout with a bug planted in the trainer's code, to show the check catches it.
 
     The normalization bugs are ones peers shipped; the planner bug deals one sample
-    to two DP ranks.
+    to two DP ranks; ``token-count-division`` scales every layout alike (only the
+    reference outside megatron-core sees it); ``unreduced-norm-grad`` leaves one TP
+    rank's sequence-parallel norm gradients unreduced (the replica comparison sees it).
     """
     import megatron_grpo.algo.loss as loss
     import megatron_grpo.train.plan as planner
     import megatron_grpo.train.step as step
-    from megatron_grpo.commands.invariance import run_layout
+    from megatron_grpo.commands.invariance.worker import run_layout
 
     if bug == "local-denominator":  # verl#5625, open-instruct#1161, prime-rl#583
         original = loss.global_counts
@@ -48,6 +50,35 @@ def planted_bug_layout(*, bug: str, **kwargs):
             return ranks
 
         planner.balance = balance
+    elif bug == "token-count-division":  # megatron's per-token division let through
+        import megatron_grpo.mcore.model as mcore_model
+
+        def finalize_dividing(
+            model, num_tokens=None, pg_collection=None, force_all_reduce=False, *, pg
+        ):
+            from megatron.core.distributed import finalize_model_grads
+
+            finalize_model_grads(model, num_tokens=num_tokens, pg_collection=pg)
+
+        mcore_model._finalize_grads = finalize_dividing
+    elif bug == "unreduced-norm-grad":  # TP rank 1 keeps its partial norm gradients (SP)
+        import megatron_grpo.mcore.model as mcore_model
+
+        original_finalize = mcore_model._finalize_grads
+
+        def finalize_skipping(model, *args, pg, **kw):
+            norms = [
+                p
+                for chunk in model
+                for name, p in chunk.named_parameters()
+                if name.endswith("layernorm.weight") and dist.get_rank(pg.tp) == 1
+            ]
+            partial = [p.main_grad.clone() for p in norms]
+            original_finalize(model, *args, pg=pg, **kw)
+            for p, g in zip(norms, partial):
+                p.main_grad.copy_(g)
+
+        mcore_model._finalize_grads = finalize_skipping
     else:
         raise ValueError(bug)
     return run_layout(**kwargs)

@@ -297,3 +297,39 @@ def test_attached_sglang_servers_get_the_learners_weights_before_the_first_rollo
     finally:
         server.stop()
     assert rows[0]["train/logprob_mismatch"] < 1e-4, rows[0]
+
+
+def test_overlapped_param_gather_serves_and_saves_the_updated_weights(tmp_path, assets):
+    """DP2 with the distributed optimizer, parameter gather overlapped or not: after a step
+    the engine generates with, and the checkpoint holds, the updated weights."""
+    runs = {
+        overlap: train(
+            tmp_path / overlap,
+            assets,
+            "train.total_steps=2",
+            "parallel.pp=1",
+            "optim.use_distributed_optimizer=true",
+            f"optim.overlap_param_gather={overlap}",
+            nproc=2,
+        )
+        for overlap in ("true", "false")
+    }
+    # step 2 was generated after step 1's sync: the engine's log-probs are the learner's
+    assert all(r["train/logprob_mismatch"] < 1e-4 for r in runs["true"]), runs["true"]
+    for a, b in zip(runs["true"], runs["false"]):
+        for key in DETERMINISTIC:
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
+    states = [
+        run_workers(
+            f"{HERE}:full_params",
+            1,
+            timeout=200,
+            kwargs={
+                "ckpt": str(tmp_path / overlap / "checkpoints" / "step_00000002"),
+                "config": str(CONFIG),
+            },
+        )[0]
+        for overlap in ("true", "false")
+    ]
+    for name, tensor in states[0].items():
+        assert torch.equal(tensor, states[1][name]), name

@@ -72,3 +72,12 @@ def test_micro_batch_moves_positions_and_keeps_per_sample_vectors():
     assert moved.tokens.device.type == "meta" and moved.seg.device.type == "meta"
     assert moved.seq_tokens.device.type == "cpu" and moved.loss_weights.device.type == "cpu"
     assert batch.tokens.device.type == "cpu"  # the original is unchanged
+
+
+def test_rows_pad_to_a_multiple_and_to_a_least_shape():
+    a = sample(0, [5, 6, 7], [0, 1, 1])
+    assert collate([[a]], num_groups=1, pad_to_multiple=4).tokens.shape == (1, 4)
+    padded = collate([[a]], num_groups=1, shape=(3, 5))
+    assert padded.tokens.shape == (3, 5)
+    assert padded.seg.tolist()[1:] == [[-1] * 5] * 2  # empty rows hold no sample
+    assert padded.loss_mask.sum() == 2 and padded.num_samples == 1

@@ -1,6 +1,7 @@
 import ast
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -214,3 +215,32 @@ def test_config_imports_nothing_above_it():
             for module in modules:
                 if module.startswith("megatron_grpo"):
                     assert module.startswith("megatron_grpo.config"), f"{path.name}: {module}"
+
+
+def test_scale_options_and_their_refusals_are_named():
+    cfg = load_config(None, [])
+    assert not cfg.optim.distributed_optimizer
+    assert cfg.optim.overlap_grad_reduce and cfg.optim.overlap_param_gather
+    assert cfg.parallel.sequence_parallel and not cfg.parallel.uses_sequence_parallel  # TP=1
+    assert load_config(None, ["parallel.tp=2"]).parallel.uses_sequence_parallel
+    cases = {
+        "optim.use_distributed_optimizer=true needs optim.optimizer=adam": [
+            "optim.optimizer=sgd",
+            "optim.use_distributed_optimizer=true",
+        ],
+        "parallel.cp=2: context parallelism is not supported": ["parallel.cp=2"],
+        "model.params_dtype=float16 is not supported: fp16 training needs a dynamic loss": [
+            "model.params_dtype=float16"
+        ],
+        "train.recompute_num_layers must be >= 1, got 0": ["train.recompute_num_layers=0"],
+        "train.recompute_granularity=selective needs train.recompute_modules": [
+            "train.recompute_granularity=selective",
+            "train.recompute_modules=[]",
+        ],
+        "train.recompute_granularity='partial' is not one of": [
+            "train.recompute_granularity=partial"
+        ],
+    }
+    for message, overrides in cases.items():
+        with pytest.raises(ValueError, match=re.escape(message)):
+            load_config(None, overrides)

@@ -2,7 +2,7 @@ import random
 
 import pytest
 
-from megatron_grpo.train.plan import balance, naive_padding_fraction, pack, plan
+from megatron_grpo.train.plan import balance, naive_padding_fraction, pack, plan, split_to_multiple
 
 
 def test_balance_spreads_tokens():
@@ -63,3 +63,29 @@ def test_unpacked_long_tailed_lengths_pad_under_five_percent():
     lengths = [min(16384, int(rng.lognormvariate(7.0, 1.0)) + 200) for _ in range(1024)]
     unpacked = plan(lengths, dp_size=8, max_tokens=16384, packed=False)
     assert unpacked.padding_fraction(lengths) < 0.05
+
+
+def test_split_to_multiple_halves_the_fullest_micro_batch():
+    # unpacked rows are split by row, a packed row by its samples; nothing is lost
+    assert split_to_multiple([[[0], [1], [2]], [[3]]], 2) == [[[0], [1], [2]], [[3]]]
+    assert split_to_multiple([[[0], [1], [2]]], 2) == [[[0]], [[1], [2]]]
+    assert split_to_multiple([[[0, 1, 2, 3]]], 4) == [[[0]], [[1]], [[2]], [[3]]]
+    with pytest.raises(ValueError, match="1 samples on a DP rank cannot make a multiple of 2"):
+        split_to_multiple([[[0]]], 2)
+
+
+def test_check_invariance_lays_out_a_dp_rank_without_loss_tokens():
+    """check-invariance's empty-rank batch, through the trainer's planner at DP2: one rank
+    gets only the fully masked sample, and the ranks get different micro-batch counts."""
+    from megatron_grpo.commands.invariance.cases import Variant
+
+    variant = Variant(1, empty_rank=True)
+    batch = variant.batch(vocab_size=100)
+    lengths = [len(s) for s in batch]
+    split = plan(lengths, dp_size=2, max_tokens=variant.token_budget(lengths, 2), packed=False)
+    loss_tokens = [
+        sum(batch[i].num_loss_tokens for mb in rank for row in mb for i in row)
+        for rank in split.ranks
+    ]
+    assert sorted(loss_tokens)[0] == 0 and sorted(loss_tokens)[1] > 0
+    assert sorted(len(rank) for rank in split.ranks) == [1, 2]

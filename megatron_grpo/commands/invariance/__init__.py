@@ -1,0 +1,55 @@
+"""``check-invariance``: the gradient of one global batch must not depend on the layout.
+
+One fixed global batch (varied lengths, a fully masked sequence, a masked
+tool-output span, uneven prompt groups, rollout log-probs off the policy's) is
+trained at each layout (DP x TP x PP, run as real multi-process gloo or nccl) by
+the trainer's own step function, ``train.step.train_on_rollout``: its planner
+splits the batch over DP ranks and into micro-batches under a token budget, the
+behaviour and reference log-probs are frozen, the loss weights come from one DP
+all-reduce, and two optimizer passes run over the batch (mu = 2, so the second
+pass is off-policy: ratios differ from 1 and clip). Each layout runs with token
+budgets that give 1 and several micro-batches per rank, in the given order and
+under a permutation of the samples, and packed; ``features`` switch on the
+distributed optimizer, sequence parallelism, recomputation, a virtual pipeline
+or bf16 where the layout allows (``cases.FEATURES``).
+
+For each pass, the full gradient, the parameter update (plain SGD, or Adam with
+an eps that keeps it proportional to the gradient: Adam's usual first step is
+nearly sign(g) and would hide a scale error; differences within one ulp of the
+parameter are storage rounding) and the global gradient norm are compared with
+the single-process run, and every copy of a replicated tensor (DP replicas,
+TP-replicated norms) with the others: max |delta| / max |g| must stay under the
+tolerance. The single-process run itself is compared with the gradient computed
+outside megatron-core, by transformers and the loss written from its definition
+(``reference.py``), so that an error every layout shares shows too.
+
+Modules: ``cases`` (layouts, features, the batch), ``worker`` (one launch),
+``reference`` (the gradient outside megatron-core), ``check`` (launch and compare).
+"""
+
+from megatron_grpo.commands.invariance.cases import (
+    BF16_TOLERANCE,
+    FEATURES,
+    GROUP_SIZES,
+    MAX_COMPLETION,
+    Layout,
+    default_loss,
+    default_model,
+    fixed_batch,
+    parse_features,
+)
+from megatron_grpo.commands.invariance.check import REFERENCE, check
+
+__all__ = [
+    "BF16_TOLERANCE",
+    "FEATURES",
+    "GROUP_SIZES",
+    "MAX_COMPLETION",
+    "REFERENCE",
+    "Layout",
+    "check",
+    "default_loss",
+    "default_model",
+    "fixed_batch",
+    "parse_features",
+]

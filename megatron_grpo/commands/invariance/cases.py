@@ -1,0 +1,293 @@
+"""What check-invariance trains: the layouts, the features switched on, the fixed global
+batch and the ways it is laid out on the ranks."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from megatron_grpo.algo.batch import Sample
+from megatron_grpo.config import LossConfig, ModelConfig, OptimConfig, ParallelDims, TrainConfig
+
+GROUP_SIZES = (4, 3, 3, 2)
+"""Uneven prompt groups: 12 sequences, 4 groups."""
+MAX_COMPLETION = 10
+NUM_ITERATIONS = 2
+"""Optimizer passes over the batch: the second runs on moved weights (ratios != 1)."""
+REF_NOISE = 0.02
+"""The reference model is the initial policy plus this much Gaussian noise (KL != 0)."""
+SGD_LR = 0.1
+ADAM_LR, ADAM_EPS = 1e3, 1e4
+"""With the distributed optimizer every layout runs Adam whose eps dwarfs |g|: its update,
+-lr m / (sqrt(v) + eps), stays proportional to the gradient (about -0.1 g on the first
+step), so a scale error shows in the update as it would under SGD."""
+BF16_TOLERANCE = 2e-2
+"""max |delta| / max |g| allowed for a bfloat16 run against the float32 reference."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int
+    tp: int
+    pp: int
+
+    @classmethod
+    def parse(cls, text: str) -> Layout:
+        try:
+            dp, tp, pp = (int(x) for x in text.lower().split("x"))
+        except ValueError:
+            raise ValueError(f"layout {text!r} is not of the form DPxTPxPP, e.g. 2x1x2") from None
+        if min(dp, tp, pp) < 1:
+            raise ValueError(f"layout {text!r}: sizes must be >= 1")
+        return cls(dp, tp, pp)
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def __str__(self) -> str:
+        return f"{self.dp}x{self.tp}x{self.pp}"
+
+
+FEATURES = {
+    "distopt": "distributed optimizer (ZeRO-1) over DP, overlapped grad reduce and param "
+    "gather; every layout then runs Adam with a large eps (updates stay proportional to g) "
+    "and raw gradients, held only on each rank's shard, are not compared",
+    "sp": "sequence parallelism over TP",
+    "recompute": "full activation recomputation (uniform, one layer per group)",
+    "selective": "selective activation recomputation (core_attn)",
+    "vpp": "2 virtual pipeline stages per rank (a 4-layer model); fails on CPU today, which is "
+    "why `train` refuses parallel.vpp",
+    "bf16": "bfloat16 parameters, against the float32 reference within BF16_TOLERANCE",
+}
+"""What ``--features`` can switch on, beyond DP, TP and PP themselves."""
+
+
+def parse_features(text: str) -> tuple[str, ...]:
+    names = tuple(x.strip() for x in text.split(",") if x.strip())
+    unknown = [x for x in names if x not in FEATURES]
+    if unknown:
+        raise ValueError(
+            f"unknown feature {unknown[0]!r} for --features; expected some of {', '.join(FEATURES)}"
+        )
+    return names
+
+
+@dataclass(frozen=True)
+class Setup:
+    """The configs one launch trains with, and which of the features are active in it."""
+
+    model: ModelConfig
+    dims: ParallelDims
+    optim: OptimConfig
+    train: TrainConfig
+    active: tuple[str, ...]
+
+    @property
+    def compares_grads(self) -> bool:
+        """Raw gradients are whole on every rank (not with the distributed optimizer)."""
+        return "distopt" not in self.active
+
+
+def setup(
+    layout: Layout, features: tuple[str, ...], model: ModelConfig, *, reference: bool
+) -> Setup:
+    """The configs for ``layout`` with ``features``; the single-process reference takes only
+    what every layout must share (Adam for distopt, the 4-layer model for vpp)."""
+    if "vpp" in features:
+        model = dataclasses.replace(model, num_layers=max(model.num_layers, 4))
+    optim = OptimConfig(optimizer="sgd", lr=SGD_LR, clip_grad=0.0, overlap_grad_reduce=False)
+    if "distopt" in features:
+        optim = OptimConfig(optimizer="adam", lr=ADAM_LR, adam_eps=ADAM_EPS, clip_grad=0.0)
+    wanted = () if reference else features
+    applies = {
+        "distopt": layout.dp > 1,
+        "sp": layout.tp > 1,
+        "vpp": layout.pp > 1,
+        "recompute": True,
+        "selective": True,
+        "bf16": True,
+    }
+    active = tuple(f for f in wanted if applies[f])
+    if "distopt" not in active:
+        optim = dataclasses.replace(optim, use_distributed_optimizer=False)
+    if "bf16" in active:
+        model = dataclasses.replace(model, params_dtype="bfloat16")
+    recompute: Literal["full", "selective"] | None = None
+    if "recompute" in active:
+        recompute = "full"
+    if "selective" in active:
+        recompute = "selective"
+    return Setup(
+        model=model,
+        dims=ParallelDims(
+            tp=layout.tp,
+            pp=layout.pp,
+            vpp=2 if "vpp" in active else None,
+            sequence_parallel="sp" in active,
+        ),
+        optim=optim,
+        train=TrainConfig(recompute_granularity=recompute),
+        active=active,
+    )
+
+
+def default_model() -> ModelConfig:
+    return ModelConfig(
+        num_layers=2,
+        hidden_size=64,
+        ffn_hidden_size=96,
+        num_attention_heads=4,
+        num_query_groups=2,
+        vocab_size=100,
+        make_vocab_size_divisible_by=8,
+        max_position_embeddings=64,
+        hf_family="llama",
+    )
+
+
+def default_loss(mode: str) -> LossConfig:
+    """Every term switched on, so that each one is checked under the mode's weights.
+
+    Two of the modes use the sequence-level options (GSPO ratio, sequence-level
+    masked importance sampling) so that those paths are checked too.
+    """
+    sequence_level = mode in ("seq-mean-token-mean", "group-token-mean")
+    return LossConfig(
+        mode=mode,  # type: ignore[arg-type]  # checked by LossConfig
+        eps_clip_low=0.2,
+        eps_clip_high=0.28,
+        dual_clip=3.0,
+        ratio_level="sequence" if sequence_level else "token",
+        kl_coef=0.1,
+        kl_estimator="k3",
+        entropy_coef=0.01,
+        tis_level="sequence" if sequence_level else "token",
+        tis_mode="mask" if sequence_level else "truncate",
+        tis_upper=4.0 if sequence_level else 1.5,
+        tis_lower=0.25 if sequence_level else None,
+    )
+
+
+def fixed_batch(vocab_size: int, seed: int = 0) -> list[Sample]:
+    """The global batch: uneven groups, varied lengths, masked spans, rollout log-probs.
+
+    The rollout log-probs are what a random model of this vocabulary gives
+    (-log V) plus noise, so importance weights spread around 1 and some truncate.
+    """
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    sample_id = 0
+    for group, size in enumerate(GROUP_SIZES):
+        prompt = torch.randint(
+            1, vocab_size, (int(torch.randint(3, 7, (1,), generator=g)),), generator=g
+        )
+        for _ in range(size):
+            n = int(torch.randint(1, MAX_COMPLETION + 1, (1,), generator=g))
+            completion = torch.randint(1, vocab_size, (n,), generator=g)
+            mask = torch.cat([torch.zeros(len(prompt)), torch.ones(n)])
+            if sample_id == 5:  # fully masked (e.g. truncated and filtered)
+                mask.zero_()
+            if sample_id == 2 and n >= 4:  # a tool-output span inside the completion
+                mask[len(prompt) + 1 : len(prompt) + 3] = 0
+            reward = float(torch.randint(0, 2, (1,), generator=g))
+            noise = 0.3 * torch.randn(n, generator=g)
+            rollout = torch.cat([torch.zeros(len(prompt)), noise - math.log(vocab_size)])
+            samples.append(
+                Sample(
+                    tokens=torch.cat([prompt, completion]),
+                    loss_mask=mask,
+                    advantage=reward - 0.5 + 0.1 * group,
+                    group=group,
+                    sample_id=sample_id,
+                    rollout_logprobs=rollout,
+                )
+            )
+            sample_id += 1
+    return samples
+
+
+def empty_rank_batch(vocab_size: int, seed: int = 3) -> list[Sample]:
+    """A global batch that the planner lays out, at DP2, with one rank holding no loss token
+    and the ranks holding different numbers of micro-batches.
+
+    One fully masked 60-token sample outweighs the four others together (38 tokens), so
+    the balancer gives it a rank of its own; under a 60-token budget the other rank splits
+    its rows of 14 and 5 tokens into two micro-batches (less padding than one).
+    """
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(0, 6, 54, False), (0, 4, 10, True), (1, 5, 9, True), (1, 3, 2, True)]
+    shapes.append((1, 3, 2, True))
+    samples = []
+    for i, (group, prompt_len, n, trained) in enumerate(shapes):
+        tokens = torch.randint(1, vocab_size, (prompt_len + n,), generator=g)
+        mask = torch.cat([torch.zeros(prompt_len), torch.full((n,), float(trained))])
+        noise = 0.3 * torch.randn(n, generator=g)
+        rollout = torch.cat([torch.zeros(prompt_len), noise - math.log(vocab_size)])
+        samples.append(
+            Sample(
+                tokens=tokens,
+                loss_mask=mask,
+                advantage=0.7 if i % 2 else -0.4,
+                group=group,
+                sample_id=i,
+                rollout_logprobs=rollout * mask,
+            )
+        )
+    return samples
+
+
+def permutation(num_samples: int, seed: int = 1) -> list[int]:
+    return torch.randperm(num_samples, generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@dataclass(frozen=True)
+class Variant:
+    """How the global batch is laid out: micro-batches per rank, order, packing."""
+
+    num_micro_batches: int
+    """Target micro-batches per rank: sets the token budget the planner splits under."""
+    permuted: bool = False
+    packed: bool = False
+    empty_rank: bool = False
+    """The batch of ``empty_rank_batch`` under the budget of its longest sample (one DP
+    rank without loss tokens at DP2), instead of ``fixed_batch``."""
+
+    def __str__(self) -> str:
+        if self.empty_rank:
+            return "empty-rank"
+        order = "perm" if self.permuted else "orig"
+        return f"mb{self.num_micro_batches}/{order}" + ("/packed" if self.packed else "")
+
+    def batch(self, vocab_size: int) -> list[Sample]:
+        return empty_rank_batch(vocab_size) if self.empty_rank else fixed_batch(vocab_size)
+
+    def token_budget(self, lengths: list[int], dp_size: int) -> int:
+        """The micro-batch token budget that gives about ``num_micro_batches`` per rank.
+
+        Budgets count padded positions: unpacked rows are as wide as the longest.
+        """
+        if self.empty_rank:
+            return max(lengths)
+        positions = sum(lengths) if self.packed else max(lengths) * len(lengths)
+        return max(max(lengths), math.ceil(positions / (dp_size * self.num_micro_batches)))
+
+
+def variants(
+    micro_batch_counts: list[int], permute: bool, pack: bool, *, empty_rank: bool = True
+) -> list[Variant]:
+    """Each micro-batch count in order; then permuted; then permuted and packed; then the
+    batch with an empty rank (not under VPP: a rank of one sample cannot make PP
+    micro-batches)."""
+    out = [Variant(n) for n in micro_batch_counts]
+    if permute:
+        out += [Variant(n, permuted=True) for n in micro_batch_counts]
+    if pack:
+        out.append(Variant(micro_batch_counts[-1], permuted=permute, packed=True))
+    if empty_rank:
+        out.append(Variant(1, empty_rank=True))
+    return out

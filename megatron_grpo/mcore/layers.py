@@ -1,0 +1,69 @@
+"""Layer specs: Transformer Engine's modules on a CUDA machine, megatron-core's local ones
+(pure PyTorch) elsewhere.
+
+The local spec's norm (megatron-core's ``WrappedTorchNorm``) refuses sequence
+parallelism. ``RMSNorm`` here is torch's RMSNorm with what sequence parallelism
+needs: under it each TP rank normalizes its own slice of the sequence, so the
+weight's gradient is a partial sum, and the weight is marked ``sequence_parallel``
+for megatron-core's ``finalize_model_grads`` to all-reduce it over TP (Transformer
+Engine's norm is marked the same way).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_grpo.config import ModelConfig
+
+
+def have_transformer_engine() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+class RMSNorm(torch.nn.RMSNorm):
+    """torch's RMSNorm as a megatron-core spec module, usable under sequence parallelism."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_unused) -> None:
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]
+
+
+def local_layer_spec(cfg: ModelConfig):
+    """megatron-core's local layer spec with every norm an ``RMSNorm``."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = get_gpt_layer_local_spec(qk_layernorm=cfg.qk_layernorm, normalization="RMSNorm")
+    layer = spec.submodules
+    layer.input_layernorm = RMSNorm
+    layer.pre_mlp_layernorm = RMSNorm
+    if cfg.qk_layernorm:
+        attention = layer.self_attention.submodules
+        attention.q_layernorm = RMSNorm
+        attention.k_layernorm = RMSNorm
+    return spec
+
+
+def block_spec(cfg: ModelConfig, tcfg, *, vp_stage: int | None, pp_rank: int):
+    """The decoder of one pipeline chunk: its layers and its final norm."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlock,
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+
+    if have_transformer_engine():
+        from megatron.core.models.gpt.gpt_layer_specs import (
+            get_gpt_layer_with_transformer_engine_spec,
+        )
+
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=cfg.qk_layernorm)
+    num_layers = get_num_layers_to_build(tcfg, vp_stage=vp_stage, pp_rank=pp_rank)
+    submodules = TransformerBlockSubmodules(
+        layer_specs=[local_layer_spec(cfg)] * num_layers, layer_norm=RMSNorm
+    )
+    return ModuleSpec(module=TransformerBlock, submodules=submodules)
