@@ -215,9 +215,12 @@ def tiny_model(**fields: Any):
     return ModelConfig(**{**shape, **fields})
 
 
-def run_at_layout(script: str, layout, *, timeout: float, **kwargs: Any) -> list:
+def run_at_layout(
+    script: str, layout, *, timeout: float, env: dict[str, str] | None = None, **kwargs: Any
+) -> list:
     """``worker(tp=..., pp=..., **kwargs)`` of the bench script ``script`` on every rank of
-    ``layout`` (a DPxTPxPP ``Layout``); each rank's result."""
+    ``layout`` (a DPxTPxPP ``Layout``), with ``env`` added to the workers' environment; each
+    rank's result."""
     from megatron_grpo.launch import run_workers
 
     return run_workers(
@@ -225,5 +228,5 @@ def run_at_layout(script: str, layout, *, timeout: float, **kwargs: Any) -> list
         layout.world_size,
         kwargs={"tp": layout.tp, "pp": layout.pp, **kwargs},
         timeout=timeout,
-        env=worker_env(),
+        env={**worker_env(), **(env or {})},
     )

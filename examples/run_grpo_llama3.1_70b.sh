@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # shellcheck source-path=SCRIPTDIR
-# GRPO on Llama-3.1-70B-Instruct. Training: 64 GPUs (8 x 8) at TP8 x PP8 x DP1.
+# GRPO on Llama-3.1-70B-Instruct. Training: 32 GPUs (4 x 8) at TP8 x PP2 x DP2.
 # Rollout: 4 SGLang engines at TP8 on 4 more host(s). Steps and paths: docs/recipes.md.
 # The architecture comes from the config.json of the model's Hugging Face directory,
 # HF_DIR (default $MODELS_DIR/Llama-3.1-70B-Instruct):
@@ -8,17 +8,19 @@
 #     [--dry-run | --rollout] [--set key=value ...]
 set -euo pipefail
 HF_NAME=Llama-3.1-70B-Instruct
-TRAIN_NODES=8 TP=8 PP=8 CP=1
+TRAIN_NODES=4 TP=8 PP=2 CP=1
 ROLLOUT_ARGS=(
   --set rollout.prompts_per_step=64
   --set rollout.samples_per_prompt=8
   --set train.global_batch_size=128
   --set data.max_prompt_length=1024
-  --set rollout.max_new_tokens=3072
+  --set rollout.max_new_tokens=7168
 )
 PERF_ARGS=(
   --set model.params_dtype=bfloat16
-  --set train.max_tokens_per_micro_batch=4096
+  --set train.max_tokens_per_micro_batch=8192
+  --set optim.use_distributed_optimizer=true
+  --set train.recompute_granularity=full
 )
 ROLLOUT_NODES=4 SGLANG_TP=8
 SGLANG_ARGS=(--mem-fraction-static 0.85 --dtype bfloat16)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # shellcheck source-path=SCRIPTDIR
-# GRPO on Qwen2.5-32B-Instruct. Training: 32 GPUs (4 x 8) at TP8 x PP4 x DP1.
+# GRPO on Qwen2.5-32B-Instruct. Training: 16 GPUs (2 x 8) at TP8 x PP1 x DP2.
 # Rollout: 4 SGLang engines at TP4 on 2 more host(s). Steps and paths: docs/recipes.md.
 # The architecture comes from the config.json of the model's Hugging Face directory,
 # HF_DIR (default $MODELS_DIR/Qwen2.5-32B-Instruct):
@@ -8,7 +8,7 @@
 #     [--dry-run | --rollout] [--set key=value ...]
 set -euo pipefail
 HF_NAME=Qwen2.5-32B-Instruct
-TRAIN_NODES=4 TP=8 PP=4 CP=1
+TRAIN_NODES=2 TP=8 PP=1 CP=1
 ROLLOUT_ARGS=(
   --set rollout.prompts_per_step=64
   --set rollout.samples_per_prompt=8
@@ -19,6 +19,8 @@ ROLLOUT_ARGS=(
 PERF_ARGS=(
   --set model.params_dtype=bfloat16
   --set train.max_tokens_per_micro_batch=8192
+  --set optim.use_distributed_optimizer=true
+  --set train.recompute_granularity=full
 )
 ROLLOUT_NODES=2 SGLANG_TP=4
 SGLANG_ARGS=(--mem-fraction-static 0.85 --dtype bfloat16)

@@ -19,6 +19,7 @@ ROLLOUT_ARGS=(
 PERF_ARGS=(
   --set model.params_dtype=bfloat16
   --set train.max_tokens_per_micro_batch=8192
+  --set optim.use_distributed_optimizer=true
 )
 ROLLOUT_NODES=1 SGLANG_TP=1
 SGLANG_ARGS=(--mem-fraction-static 0.85 --dtype bfloat16)

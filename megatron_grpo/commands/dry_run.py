@@ -11,24 +11,31 @@ The memory model, per GPU of pipeline stage ``r`` (bytes):
 - gradients: 4 per parameter; ``build_model`` sets ``grad_reduce_in_fp32``, so
   megatron-core DDP keeps an fp32 ``main_grad`` buffer.
 - optimizer: Adam keeps ``exp_avg`` and ``exp_avg_sq`` in fp32 (8), plus an fp32
-  master copy (4) when the params are bf16/fp16; plain SGD only the master copy.
-  Not divided by DP: ``build_optimizer`` sets ``use_distributed_optimizer=False``.
+  master copy (4) when the params are bf16; plain SGD only the master copy. With
+  ``optim.use_distributed_optimizer`` these are sharded over the DP ranks (ZeRO-1:
+  divided by DP); the weights and the fp32 gradient buffer stay whole.
 - reference model: a second copy of the weights when ``loss.kl_coef > 0``.
-- activations, no recomputation, no sequence parallelism (``build_model`` sets
-  neither): per token and layer, bf16, the tensors autograd keeps:
-  the residual-stream and RMSNorm outputs feeding QKV and fc1 (4h, replicated
-  over TP), q/k/v and the attention output ((2a + 2g)d / TP), the pre-norm q and k
-  with qk_layernorm ((a + g)d / TP), fc1's output and SwiGLU's (3f / TP), and
-  flash attention's fp32 softmax statistics. Packed micro-batches carry an
-  explicit mask, which rules out fused attention: the fp32 and bf16 attention
-  probabilities (6 bytes x a/TP x S per token) are added. Tokens per GPU are
-  ``train.max_tokens_per_micro_batch / CP``. 1F1B keeps ``PP - r`` micro-batches
-  in flight on stage ``r`` (``PP`` on the first stage: the whole model's layers
-  for one micro-batch); interleaving adds ``(PP - 1) / (PP x VPP)`` of that.
-- logits (last stage): the micro-batch's tokens x the vocabulary shard, at
-  ``LOGIT_BYTES`` per entry: the bf16 logits plus the fp32 working copies of the
-  vocab-parallel log-softmax (``logprobs.vocab_parallel_logprobs``) and their
-  gradients.
+- activations: per token and layer, in the params dtype, the tensors autograd keeps:
+  the residual stream into the two RMSNorms (2h) and their outputs feeding QKV and fc1
+  (2h), replicated over TP unless ``parallel.sequence_parallel`` splits them (/ TP);
+  q/k/v and the attention output ((2a + 2g)d / TP), the pre-norm q and k with
+  qk_layernorm ((a + g)d / TP), fc1's output and SwiGLU's (3f / TP), and flash
+  attention's fp32 softmax statistics. Unfused attention (an explicit mask: packed
+  micro-batches, or no Transformer Engine) also keeps the fp32 softmax output and its
+  copy in the params dtype, per head, token and key. Tokens per GPU are
+  ``train.max_tokens_per_micro_batch / CP``. 1F1B keeps ``PP - r`` micro-batches in
+  flight on stage ``r`` (``PP`` on the first stage: the whole model's layers for one
+  micro-batch); interleaving adds ``(PP - 1) / (PP x VPP)`` of that.
+  Recomputation (``train.recompute_granularity``): ``selective`` drops what its
+  modules recompute (``core_attn``: the softmax statistics and probabilities; ``mlp``:
+  the 3f; ``layernorm``: the norm outputs); ``full`` keeps only the input of each
+  recomputed group of layers (h, / TP with sequence parallelism) and adds, once, the
+  whole activations of the group being recomputed in the backward (``uniform``: groups
+  of ``recompute_num_layers``; ``block``: the first ``recompute_num_layers`` layers of
+  each chunk, one at a time, the rest kept whole).
+- logits (last stage): the micro-batch's tokens x the vocabulary shard: the logits in
+  the params dtype plus four fp32 working copies of the vocab-parallel log-softmax
+  (``logprobs.vocab_parallel_logprobs``) and their gradients.
 - reserved: ``RESERVED_GIB`` for the CUDA context, NCCL buffers, the weight-sync
   gather and allocator fragmentation.
 """
@@ -49,12 +56,13 @@ ADAM_STATE_BYTES = 8
 """exp_avg and exp_avg_sq, fp32."""
 MASTER_BYTES = 4
 """fp32 master weights, kept when the params are bf16 or fp16."""
-LOGIT_BYTES = 18
-"""Per logit entry on the last stage: bf16 logits (2) + four fp32 tensors (16)."""
+LOGIT_FP32_BYTES = 16
+"""Per logit entry on the last stage, besides the logits: four fp32 tensors."""
 SOFTMAX_STATS_BYTES = 4
 """Flash attention's fp32 log-sum-exp, per head and token."""
-UNFUSED_PROBS_BYTES = 6
-"""Unfused attention keeps the fp32 softmax output and its bf16 copy, per head, token and key."""
+SOFTMAX_FP32_BYTES = 4
+"""Unfused attention's fp32 softmax output, per head, token and key (its copy in the params
+dtype comes on top unless that is fp32)."""
 RESERVED_GIB = 5.0
 """CUDA context, NCCL buffers, weight-sync gather buffers, allocator fragmentation."""
 
@@ -131,19 +139,79 @@ def stage_params(m: ModelConfig, dims: ParallelDims) -> list[StageParams]:
 # --------------------------------------------------------------------------- memory
 
 
-def activation_bytes_per_token_layer(
-    m: ModelConfig, dims: ParallelDims, seq_len: int, *, packed: bool
-) -> float:
-    """Bytes autograd keeps per token and layer on one GPU (see the module docstring)."""
+@dataclass(frozen=True)
+class LayerActivations:
+    """Bytes per token that one decoder layer keeps for the backward on one GPU, by what
+    recomputation can drop."""
+
+    residual: float
+    """The residual stream into the two RMSNorms (2h; / TP with sequence parallelism)."""
+    norm_outputs: float
+    """The two RMSNorm outputs feeding QKV and fc1 (2h; / TP with sequence parallelism)."""
+    attention: float
+    """q, k, v, the attention output and the pre-norm q/k ((2a + 2g)d (+ (a + g)d) / TP)."""
+    core_attn: float
+    """The softmax statistics, and with unfused attention the probabilities."""
+    mlp: float
+    """fc1's output and SwiGLU's (3f / TP)."""
+
+    @property
+    def total(self) -> float:
+        return self.residual + self.norm_outputs + self.attention + self.core_attn + self.mlp
+
+    @property
+    def layer_input(self) -> float:
+        """What full recomputation keeps of a group of layers: its input hidden state."""
+        return self.residual / 2
+
+    def selective(self, modules: list[str]) -> float:
+        """What is kept when ``modules`` (megatron-core's recompute_modules) are recomputed."""
+        dropped = {"core_attn": self.core_attn, "mlp": self.mlp, "layernorm": self.norm_outputs}
+        return self.total - sum(dropped.get(name, 0.0) for name in set(modules))
+
+
+def layer_activations(
+    m: ModelConfig, dims: ParallelDims, seq_len: int, *, unfused_attention: bool
+) -> LayerActivations:
+    """Bytes per token kept by one layer on one GPU (see the module docstring)."""
     h, d, a, g = m.hidden_size, head_dim(m), m.num_attention_heads, query_groups(m)
     act = DTYPE_BYTES[m.params_dtype]
-    sharded = (2 * a + 2 * g) * d + 3 * m.ffn_hidden_size
-    if m.qk_layernorm:
-        sharded += (a + g) * d
-    per_token = act * (4 * h + sharded / dims.tp) + SOFTMAX_STATS_BYTES * a / dims.tp
-    if packed:
-        per_token += UNFUSED_PROBS_BYTES * a / dims.tp * seq_len
-    return per_token
+    sp = dims.tp if dims.uses_sequence_parallel else 1
+    attention = (2 * a + 2 * g) * d + ((a + g) * d if m.qk_layernorm else 0)
+    core_attn = SOFTMAX_STATS_BYTES * a / dims.tp
+    if unfused_attention:
+        probs = SOFTMAX_FP32_BYTES + (act if act != SOFTMAX_FP32_BYTES else 0)
+        core_attn += probs * a / dims.tp * seq_len
+    return LayerActivations(
+        residual=act * 2 * h / sp,
+        norm_outputs=act * 2 * h / sp,
+        attention=act * attention / dims.tp,
+        core_attn=core_attn,
+        mlp=act * 3 * m.ffn_hidden_size / dims.tp,
+    )
+
+
+def activation_bytes_per_token_layer(
+    m: ModelConfig, dims: ParallelDims, seq_len: int, *, unfused_attention: bool
+) -> float:
+    """Bytes autograd keeps per token and layer on one GPU, without recomputation."""
+    return layer_activations(m, dims, seq_len, unfused_attention=unfused_attention).total
+
+
+def kept_per_layer(cfg: Config, per: LayerActivations) -> tuple[float, float]:
+    """(bytes per token kept by each layer of a micro-batch in flight, bytes per token of the
+    layers being recomputed in the backward, held once) under ``cfg.train``'s recomputation."""
+    train, dims = cfg.train, cfg.parallel
+    if train.recompute_granularity is None:
+        return per.total, 0.0
+    if train.recompute_granularity == "selective":
+        return per.selective(train.recompute_modules), 0.0
+    chunk_layers = cfg.model.num_layers // (dims.pp * (dims.vpp or 1))
+    n = min(train.recompute_num_layers, chunk_layers)
+    if train.recompute_method == "uniform":
+        return per.layer_input / n, n * per.total
+    recomputed = n / chunk_layers
+    return recomputed * per.layer_input + (1 - recomputed) * per.total, per.total
 
 
 def layers_in_flight(num_layers: int, dims: ParallelDims, stage: int) -> float:
@@ -195,15 +263,31 @@ class StageMemory:
         }
 
 
-def stage_memory(cfg: Config, params: StageParams) -> StageMemory:
+def optimizer_bytes_per_param(cfg: Config) -> int:
+    """Optimizer state per parameter before any DP sharding: an fp32 master copy when the
+    params are not fp32, Adam's two moments."""
+    master = MASTER_BYTES if cfg.model.params_dtype != "float32" else 0
+    return master + (ADAM_STATE_BYTES if cfg.optim.optimizer == "adam" else 0)
+
+
+def uses_unfused_attention(cfg: Config, unfused_attention: bool | None) -> bool:
+    """Unfused attention: as asked, else where packed micro-batches carry an explicit mask
+    (``train.pack_sequences``; None is unpacked on GPUs, with Transformer Engine)."""
+    return bool(cfg.train.pack_sequences) if unfused_attention is None else unfused_attention
+
+
+def stage_memory(
+    cfg: Config, params: StageParams, dp: int, *, unfused_attention: bool | None = None
+) -> StageMemory:
+    """Peak memory of one GPU of ``params``' stage at data-parallel size ``dp``."""
     m, dims = cfg.model, cfg.parallel
     n = params.total
     weight_bytes = DTYPE_BYTES[m.params_dtype]
-    master = MASTER_BYTES if m.params_dtype != "float32" else 0
-    optimizer = master + (ADAM_STATE_BYTES if cfg.optim.optimizer == "adam" else 0)
+    shards = dp * dims.cp if cfg.optim.distributed_optimizer else 1
     tokens = cfg.train.max_tokens_per_micro_batch / dims.cp
-    packed = bool(cfg.train.pack_sequences)  # None: not packed on GPUs (Transformer Engine)
-    per_layer = activation_bytes_per_token_layer(m, dims, int(tokens), packed=packed)
+    unfused = uses_unfused_attention(cfg, unfused_attention)
+    per = layer_activations(m, dims, int(tokens), unfused_attention=unfused)
+    kept, recomputing = kept_per_layer(cfg, per)
     in_flight = layers_in_flight(m.num_layers, dims, params.stage)
     last = params.stage == dims.pp - 1
     vocab_shard = m.padded_vocab_size(dims.tp) // dims.tp
@@ -211,10 +295,10 @@ def stage_memory(cfg: Config, params: StageParams) -> StageMemory:
         stage=params.stage,
         weights=n * weight_bytes,
         gradients=n * GRAD_BYTES,
-        optimizer=n * optimizer,
+        optimizer=n * optimizer_bytes_per_param(cfg) / shards,
         reference=n * weight_bytes if cfg.loss.kl_coef > 0 else 0.0,
-        activations=per_layer * tokens * in_flight,
-        logits=tokens * vocab_shard * LOGIT_BYTES if last else 0.0,
+        activations=tokens * (kept * in_flight + recomputing),
+        logits=tokens * vocab_shard * (weight_bytes + LOGIT_FP32_BYTES) if last else 0.0,
         reserved=RESERVED_GIB * GIB,
         layers_in_flight=in_flight,
     )
@@ -269,14 +353,27 @@ class DryRunReport:
         model_states = w.weights + w.gradients + w.optimizer
         spread = (
             f"raise parallel.tp (now {dims.tp}) or parallel.pp (now {dims.pp}) to spread "
-            f"weights, gradients and optimizer states ({_gib(model_states)} GiB; the optimizer is "
-            "not sharded across DP: use_distributed_optimizer=False)"
+            f"weights, gradients and optimizer states ({_gib(model_states)} GiB)"
         )
         shrink = (
             f"lower train.max_tokens_per_micro_batch (now {train.max_tokens_per_micro_batch}) "
             f"to shrink activations and logits ({_gib(w.activations + w.logits)} GiB)"
         )
         fixes = [spread, shrink] if model_states >= w.activations + w.logits else [shrink, spread]
+        if not self.cfg.optim.distributed_optimizer and self.dp > 1:
+            fixes.insert(
+                0,
+                "set optim.use_distributed_optimizer=true to shard the optimizer states "
+                f"({_gib(w.optimizer)} GiB) over DP={self.dp}",
+            )
+        if train.recompute_granularity is None and w.activations > w.logits:
+            fixes.insert(
+                0,
+                "set train.recompute_granularity=full to recompute activations "
+                f"({_gib(w.activations)} GiB) in the backward",
+            )
+        if dims.tp > 1 and not dims.uses_sequence_parallel:
+            fixes.insert(0, "set parallel.sequence_parallel=true to split activations over TP")
         if w.reference:
             fixes.append(
                 f"set loss.kl_coef=0 to drop the reference model ({_gib(w.reference)} GiB)"
@@ -301,8 +398,12 @@ def dry_run(
     world_size: int,
     gpus_per_node: int | None = None,
     gpu_memory_gb: float = 80.0,
+    unfused_attention: bool | None = None,
 ) -> DryRunReport:
     """Validate ``cfg``'s layout for ``world_size`` GPUs and estimate memory per GPU.
+
+    ``unfused_attention`` says whether attention keeps its S x S probabilities (True on CPU,
+    with the local layer spec); None decides as on GPUs (see ``uses_unfused_attention``).
 
     Raises a ValueError naming the reason when the layout is invalid; a layout
     that is valid but too big comes back with ``fits`` False.
@@ -335,7 +436,7 @@ def dry_run(
         dp=dp,
         gpu_memory_gb=gpu_memory_gb,
         params=params,
-        memory=[stage_memory(cfg, p) for p in params],
+        memory=[stage_memory(cfg, p, dp, unfused_attention=unfused_attention) for p in params],
     )
 
 
@@ -354,11 +455,6 @@ def _layer_ranges(layers: tuple[range, ...]) -> str:
 def _format(r: DryRunReport) -> list[str]:
     dims = r.cfg.parallel
     lines = _format_params(r) + _format_memory(r)
-    if dims.cp > 1:
-        lines.append(
-            "note: CP > 1 is estimated with each micro-batch's tokens split over the CP ranks; "
-            "the trainer does not split them yet"
-        )
     if r.gpus_per_node and dims.tp > r.gpus_per_node:
         lines.append(f"note: TP={dims.tp} spans nodes ({r.gpus_per_node} GPUs per node)")
     verdict = "fits" if r.fits else "DOES NOT FIT"
@@ -402,23 +498,24 @@ def _format_memory(r: DryRunReport) -> list[str]:
     if cfg.optim.optimizer == "adam":
         states += ["exp_avg", "exp_avg_sq"]
     optim = f"{cfg.optim.optimizer}: {' + '.join(states) or 'no state'}"
+    if cfg.optim.distributed_optimizer:
+        optim += f"; sharded over DP={r.dp} (distributed optimizer)"
+    else:
+        optim += "; not sharded (optim.use_distributed_optimizer=false)"
     vocab_shard = m.padded_vocab_size(dims.tp) // dims.tp
+    logit_bytes = DTYPE_BYTES[m.params_dtype] + LOGIT_FP32_BYTES
     rows = [
         ("weights", w.weights, m.params_dtype),
         ("gradients", w.gradients, "fp32 main_grad (grad_reduce_in_fp32)"),
-        (
-            "optimizer states",
-            w.optimizer,
-            f"{optim}; not sharded across DP (use_distributed_optimizer=False)",
-        ),
+        ("optimizer states", w.optimizer, optim),
         ("reference model", w.reference, f"loss.kl_coef={cfg.loss.kl_coef:g}"),
         (
             "activations",
             w.activations,
             f"{tokens} tokens/micro-batch/GPU x {w.layers_in_flight:g} layers in flight "
-            "(1F1B), no recomputation",
+            f"(1F1B); {_activation_options(cfg)}",
         ),
-        ("logits", w.logits, f"last stage: {tokens} tokens x {vocab_shard} x {LOGIT_BYTES} B"),
+        ("logits", w.logits, f"last stage: {tokens} tokens x {vocab_shard} x {logit_bytes} B"),
         ("reserved", w.reserved, "CUDA context, NCCL, fragmentation"),
         ("total", w.total, f"of {r.gpu_memory_gb:g} GiB"),
     ]
@@ -430,3 +527,16 @@ def _format_memory(r: DryRunReport) -> list[str]:
         "host memory of global rank 0 for weight sync (the full model, gathered to CPU): "
         f"{_gib(total_params(m) * DTYPE_BYTES[m.params_dtype])} GiB",
     ]
+
+
+def _activation_options(cfg: Config) -> str:
+    dims, train = cfg.parallel, cfg.train
+    sp = "sequence parallel" if dims.uses_sequence_parallel else "no sequence parallelism"
+    if train.recompute_granularity is None:
+        return f"{sp}, no recomputation"
+    if train.recompute_granularity == "selective":
+        return f"{sp}, selective recomputation of {', '.join(train.recompute_modules)}"
+    return (
+        f"{sp}, full recomputation ({train.recompute_method}, "
+        f"{train.recompute_num_layers} layer{'s' * (train.recompute_num_layers > 1)})"
+    )

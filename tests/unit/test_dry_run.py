@@ -161,22 +161,71 @@ def test_bytes_per_parameter_of_the_model_states():
     assert m.reference == 2 * n
 
 
-def test_optimizer_states_are_not_divided_by_dp():
-    _, (one,) = memory([], world_size=1)
-    _, (four,) = memory([], world_size=4)
+def test_optimizer_states_are_sharded_over_dp_only_by_the_distributed_optimizer():
+    _, (one,) = memory(["model.params_dtype=bfloat16"], world_size=1)
+    _, (four,) = memory(["model.params_dtype=bfloat16"], world_size=4)
     assert one.optimizer == four.optimizer and one.total == four.total
+    report, (zero1,) = memory(
+        ["model.params_dtype=bfloat16", "optim.use_distributed_optimizer=true"], world_size=4
+    )
+    n = report.params[0].total
+    # ZeRO-1: master + moments / DP; the bf16 weights and fp32 gradient buffer stay whole.
+    assert (zero1.weights, zero1.gradients, zero1.optimizer) == (2 * n, 4 * n, 12 * n / 4)
+    assert "sharded over DP=4 (distributed optimizer)" in report.format()
 
 
 def test_activations_per_token_and_layer_by_hand():
     cfg = load_config(None, TINY + ["model.params_dtype=bfloat16"])
     # bf16: 4h replicated, (2a + 2g)d + 3f sharded; fp32 softmax stats per head.
     by_hand = 2 * (4 * 64 + (2 * 4 + 2 * 2) * 16 + 3 * 128) + 4 * 4
-    assert activation_bytes_per_token_layer(cfg.model, cfg.parallel, 512, packed=False) == by_hand
-    tp2 = ParallelDims(tp=2)
+    fused = activation_bytes_per_token_layer(cfg.model, cfg.parallel, 512, unfused_attention=False)
+    assert fused == by_hand
+    no_sp = ParallelDims(tp=2, sequence_parallel=False)
     by_hand_tp2 = 2 * (4 * 64 + ((2 * 4 + 2 * 2) * 16 + 3 * 128) / 2) + 4 * 4 / 2
-    assert activation_bytes_per_token_layer(cfg.model, tp2, 512, packed=False) == by_hand_tp2
-    packed = activation_bytes_per_token_layer(cfg.model, cfg.parallel, 512, packed=True)
-    assert packed == by_hand + 6 * 4 * 512  # unfused attention probabilities
+    assert activation_bytes_per_token_layer(cfg.model, no_sp, 512, unfused_attention=False) == (
+        by_hand_tp2
+    )
+    # Sequence parallelism splits the 4h that TP alone replicates.
+    sp = ParallelDims(tp=2)
+    by_hand_sp = 2 * (4 * 64 / 2 + ((2 * 4 + 2 * 2) * 16 + 3 * 128) / 2) + 4 * 4 / 2
+    assert activation_bytes_per_token_layer(cfg.model, sp, 512, unfused_attention=False) == (
+        by_hand_sp
+    )
+    unfused = activation_bytes_per_token_layer(cfg.model, cfg.parallel, 512, unfused_attention=True)
+    assert unfused == by_hand + 6 * 4 * 512  # fp32 softmax output and its bf16 copy
+    fp32 = load_config(None, TINY).model
+    fp32_unfused = activation_bytes_per_token_layer(fp32, cfg.parallel, 512, unfused_attention=True)
+    assert fp32_unfused == 4 * (4 * 64 + (2 * 4 + 2 * 2) * 16 + 3 * 128) + 4 * 4 + 4 * 4 * 512
+
+
+def test_recomputation_by_hand():
+    # 4 layers at PP1, 100 tokens, bf16, fused attention: per layer and token, the input
+    # hidden state is 2 x 64 bytes; the whole layer is `whole`.
+    base = TINY + ["model.num_layers=4", "model.params_dtype=bfloat16"]
+    base += ["train.max_tokens_per_micro_batch=100"]
+    whole = 2 * (4 * 64 + (2 * 4 + 2 * 2) * 16 + 3 * 128) + 4 * 4
+    act = {}
+    for name, extra in {
+        "none": [],
+        "uniform1": ["train.recompute_granularity=full"],
+        "uniform2": ["train.recompute_granularity=full", "train.recompute_num_layers=2"],
+        "block1": ["train.recompute_granularity=full", "train.recompute_method=block"],
+        "selective": ["train.recompute_granularity=selective"],
+        "selective_mlp": [
+            "train.recompute_granularity=selective",
+            "train.recompute_modules=[core_attn,mlp,layernorm]",
+        ],
+    }.items():
+        act[name] = memory(base + extra)[1][0].activations
+    assert act["none"] == 100 * 4 * whole
+    # uniform: one input per group of N layers, plus one group recomputed in the backward
+    assert act["uniform1"] == 100 * (4 * 2 * 64 + 1 * whole)
+    assert act["uniform2"] == 100 * (4 * 2 * 64 / 2 + 2 * whole)
+    # block: the first layer recomputed (its input kept), three kept whole, one recomputing
+    assert act["block1"] == 100 * (2 * 64 + 3 * whole + whole)
+    assert act["selective"] == 100 * 4 * (whole - 4 * 4)  # softmax statistics dropped
+    only_input_and_attention = 2 * (2 * 64 + (2 * 4 + 2 * 2) * 16)
+    assert act["selective_mlp"] == 100 * 4 * only_input_and_attention
 
 
 def test_1f1b_in_flight_micro_batches():
@@ -188,7 +237,7 @@ def test_1f1b_in_flight_micro_batches():
 def test_logits_only_on_the_last_stage():
     _, (first, last) = memory(["parallel.pp=2", "train.max_tokens_per_micro_batch=100"], 2)
     assert first.logits == 0
-    assert last.logits == 100 * 15 * 18
+    assert last.logits == 100 * 15 * (4 + 16)  # fp32 logits and four fp32 working copies
 
 
 def test_invalid_layouts_name_the_reason():
@@ -211,7 +260,8 @@ def test_too_big_is_refused_with_what_to_change():
     msg = report.refusal()
     assert "does not fit" in msg and "80 GiB" in msg
     assert "raise parallel.tp (now 1) or parallel.pp (now 1)" in msg
-    assert "use_distributed_optimizer=False" in msg
+    assert "set optim.use_distributed_optimizer=true to shard the optimizer states" in msg
+    assert "set train.recompute_granularity=full" in msg
     assert "train.max_tokens_per_micro_batch" in msg
     assert report.worst.total > 80 * GIB
 
@@ -244,7 +294,10 @@ def test_cli_exit_codes_and_no_process_group(capsys):
     assert cli.main(["train", *tiny, "--world-size", "2"]) == 2
     assert "need --dry-run" in capsys.readouterr().err
 
-    assert cli.main(["train", *tiny, "--set=parallel.cp=2", "--dry-run", "--world-size", "2"]) == 0
-    assert "the trainer does not split them yet" in capsys.readouterr().out
-    assert cli.main(["train", *tiny, "--set=parallel.cp=2"]) == 2
-    assert "parallel.cp=2: the trainer does not split sequences" in capsys.readouterr().err
+    assert cli.main(["train", *tiny, "--set=parallel.cp=2", "--dry-run", "--world-size", "2"]) == 2
+    assert "parallel.cp=2: context parallelism is not supported" in capsys.readouterr().err
+    vpp = ["--set=model.num_layers=4", "--set=parallel.pp=2", "--set=parallel.vpp=2"]
+    assert cli.main(["train", *tiny, *vpp, "--dry-run", "--world-size", "2"]) == 0
+    capsys.readouterr()
+    assert cli.main(["train", *tiny, *vpp]) == 2
+    assert "parallel.vpp=2: the interleaved pipeline schedule" in capsys.readouterr().err
