@@ -49,9 +49,8 @@ class OptimConfig:
     use_distributed_optimizer: bool = False
     """Shard the optimizer state (fp32 master weights and Adam's two moments, 12 of the 18
     bytes per parameter) over the data-parallel ranks: megatron-core's distributed optimizer
-    (ZeRO-1). Adam only. Its gradients and updates are checked (check-invariance
-    --features distopt); a run resumed from its checkpoint does not yet continue bit for
-    bit (the Adam state comes back slightly off), hence off by default."""
+    (ZeRO-1). Adam only. Off unless set, as in Megatron-LM and slime; the recipes set it.
+    Checked by check-invariance --features distopt; a resume continues bit for bit."""
     overlap_grad_reduce: bool = True
     """Reduce (or reduce-scatter) gradients in buckets while the backward pass runs."""
     overlap_param_gather: bool = True

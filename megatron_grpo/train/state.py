@@ -10,7 +10,6 @@ layout: the distributed checkpoint reshards on load.
 
 from __future__ import annotations
 
-import logging
 import os
 import random
 import shutil
@@ -22,8 +21,6 @@ import torch
 from megatron_grpo.mcore import checkpoint
 from megatron_grpo.mcore.model import sync_params
 from megatron_grpo.mcore.parallel import ParallelContext
-
-logger = logging.getLogger(__name__)
 
 
 def checkpoints_dir(output_dir: str | Path) -> Path:
@@ -100,12 +97,7 @@ def load(
     from megatron.core.dist_checkpointing import load_common_state_dict
 
     same_world = load_common_state_dict(str(path)).get("world_size") == ctx.world_size
-    if _allocate_optimizer_state(optimizer):
-        logger.warning(
-            "resuming with the distributed optimizer: the run continues from %s, but not bit "
-            "for bit as an uninterrupted run would (its Adam state comes back slightly off)",
-            path,
-        )
+    _allocate_optimizer_state(optimizer)
     # Entries that are not sharded (scheduler, step, extra) come back from the
     # checkpoint's common part on their own.
     state = _sharded_state(model, optimizer, ctx, is_loading=True, with_rng=same_world)
@@ -113,6 +105,7 @@ def load(
     checkpoint.load_model_state(model, loaded)
     with torch.no_grad():  # megatron-core copies into its fp32 master weights in place
         optimizer.load_state_dict(loaded["optimizer"])
+    _restore_adam_steps(optimizer)
     scheduler.load_state_dict(loaded["scheduler"])
     if same_world:
         torch.set_rng_state(loaded["rng"]["torch"])
@@ -120,19 +113,40 @@ def load(
     return int(loaded["step"]), loaded["extra"]
 
 
-def _allocate_optimizer_state(optimizer) -> bool:
+def _inner_optimizers(optimizer) -> list:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _allocate_optimizer_state(optimizer) -> None:
     """Give a fresh distributed optimizer its (Adam) state tensors, which the load then fills.
 
     Its sharded state dict reads the state it is loaded into, and before a first step there
     is none: megatron-core's own initializer does a zero-gradient step on the fp32 master
-    shards; weights and master copies come from the checkpoint afterwards. Returns whether
-    any part of ``optimizer`` is a distributed optimizer.
+    shards; weights and master copies come from the checkpoint afterwards.
     """
-    distributed = False
-    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+    for inner in _inner_optimizers(optimizer):
         allocate = getattr(inner, "_init_optimizer_states_with_dummy_values", None)
-        if allocate is not None:
-            distributed = True
-            if not inner.optimizer.state:
-                allocate()
-    return distributed
+        if allocate is not None and not inner.optimizer.state:
+            allocate()
+
+
+def _restore_adam_steps(optimizer) -> None:
+    """Give every parameter its own Adam step count, the one saved.
+
+    Without Apex or Transformer Engine (on CPU), megatron-core's distributed optimizer
+    loads the saved step into its param groups and one shared step tensor into the state
+    of every parameter, and then overwrites that tensor with the step of the state it was
+    loaded into (the zero-gradient step that allocated it). torch's Adam would go on from
+    there, adding 1 to the shared tensor once per parameter, and every later bias
+    correction would be off. With Apex or Transformer Engine the step lives in the param
+    groups alone and this does nothing.
+    """
+    for inner in _inner_optimizers(optimizer):
+        torch_optimizer = getattr(inner, "optimizer", None)
+        for group in getattr(torch_optimizer, "param_groups", []):
+            if "step" not in group:
+                continue
+            for param in group["params"]:
+                state = torch_optimizer.state.get(param, {})  # type: ignore[union-attr]
+                if isinstance(state.get("step"), torch.Tensor):
+                    state["step"] = torch.tensor(float(group["step"]), dtype=state["step"].dtype)

@@ -136,9 +136,24 @@ def test_resume_continues_exactly(tmp_path, assets, uninterrupted):
     train(tmp_path, assets, "train.total_steps=2", *RESUMABLE)
     rows = train(tmp_path, assets, "train.total_steps=4", *RESUMABLE)  # resumes from step 2
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    for a, b in zip(rows[2:], full[2:]):
+    assert_same_training(rows[2:], full[2:])
+
+
+def assert_same_training(rows: list[dict], expected: list[dict]) -> None:
+    for a, b in zip(rows, expected, strict=True):
         for key in DETERMINISTIC:
             assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), (a["step"], key)
+
+
+def test_resume_with_the_distributed_optimizer_continues_exactly(tmp_path, assets):
+    """DP2 with Adam's state sharded over the ranks: the resumed steps are the
+    uninterrupted run's (each parameter keeps its own Adam step count)."""
+    distopt = (*RESUMABLE, "parallel.pp=1", "optim.use_distributed_optimizer=true")
+    full = train(tmp_path / "full", assets, "train.total_steps=4", *distopt)
+    train(tmp_path / "resumed", assets, "train.total_steps=2", *distopt)
+    rows = train(tmp_path / "resumed", assets, "train.total_steps=4", *distopt)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert_same_training(rows[2:], full[2:])
 
 
 def test_bad_dataset_rows_are_reported_and_skipped(tmp_path, assets):
