@@ -53,12 +53,6 @@ def cmd_train(args: argparse.Namespace) -> int:
             print(f"megatron-grpo: error: {report.refusal()}", file=sys.stderr)
             return 2
         return 0
-    if cfg.parallel.vpp is not None:  # refused here, not trained wrong
-        raise ValueError(
-            f"parallel.vpp={cfg.parallel.vpp}: the interleaved pipeline schedule computes "
-            "other logits than the same model without it on this stack (check-invariance "
-            "shows it); train with parallel.vpp=null (--dry-run does estimate VPP layouts)"
-        )
     if args.nproc and "WORLD_SIZE" not in os.environ:
         return _relaunch_under_torchrun(args.nproc, sys.argv[1:])
     from megatron_grpo.train.loop import train

@@ -76,7 +76,14 @@ def transformer_config(cfg: ModelConfig, ctx: ParallelContext, train: TrainConfi
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         attention_softmax_in_fp32=True,
-        variable_seq_lengths=True,
+        # The interleaved schedule (VPP) at PP=2 moves activations and gradients both ways
+        # between the same two ranks: batched p2p (batch_isend_irecv) posts them in an order
+        # that pairs a gradient with an activation buffer of the same shape, and the shape
+        # handshake of variable_seq_lengths blocks a gloo rank on a send its peer has not yet
+        # posted a receive for. Under VPP every micro-batch has one shape (train.step pads
+        # them), so the handshake is not needed, and unbatched p2p keeps each direction apart.
+        variable_seq_lengths=ctx.dims.vpp is None,
+        batch_p2p_comm=ctx.dims.vpp is None,
         moe_token_dispatcher_type="alltoall",  # required by variable_seq_lengths; no MoE here
         sequence_parallel=ctx.dims.uses_sequence_parallel,
         **_recompute(train),

@@ -127,6 +127,7 @@ def test_a_tp_rank_with_unreduced_norm_gradients_is_caught_by_the_replica_compar
         (("sp", "recompute"), ["1x2x1", "1x1x2"]),
         (("selective",), ["1x1x2"]),
         (("bf16",), ["2x1x1"]),
+        (("vpp",), ["1x1x2", "2x1x2"]),
     ],
 )
 def test_scale_features_keep_the_gradient(features, layouts):

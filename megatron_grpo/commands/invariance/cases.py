@@ -60,8 +60,8 @@ FEATURES = {
     "sp": "sequence parallelism over TP",
     "recompute": "full activation recomputation (uniform, one layer per group)",
     "selective": "selective activation recomputation (core_attn)",
-    "vpp": "2 virtual pipeline stages per rank (a 4-layer model); fails on CPU today, which is "
-    "why `train` refuses parallel.vpp",
+    "vpp": "2 virtual pipeline stages per rank (a 4-layer model), the interleaved 1F1B "
+    "schedule with each rank's micro-batch count a multiple of PP",
     "bf16": "bfloat16 parameters, against the float32 reference within BF16_TOLERANCE",
 }
 """What ``--features`` can switch on, beyond DP, TP and PP themselves."""
