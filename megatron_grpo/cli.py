@@ -54,15 +54,25 @@ def cmd_train(args: argparse.Namespace) -> int:
             return 2
         return 0
     if args.nproc and "WORLD_SIZE" not in os.environ:
-        return _relaunch_under_torchrun(args.nproc, sys.argv[1:])
+        from megatron_grpo.train.run_lock import HELD_ENV, RunLock
+
+        with RunLock(cfg.output_dir) as lock:  # before any process starts
+            return _relaunch_under_torchrun(
+                args.nproc, sys.argv[1:], env={HELD_ENV: str(lock.path)}
+            )
+    from megatron_grpo.launch import die_with_parent
     from megatron_grpo.train.loop import train
 
+    die_with_parent()
     train(cfg)
     return 0
 
 
-def _relaunch_under_torchrun(nproc: int, argv: list[str]) -> int:
-    """Run this same command under torchrun on ``nproc`` local processes."""
+def _relaunch_under_torchrun(nproc: int, argv: list[str], env: dict[str, str]) -> int:
+    """Run this same command under torchrun on ``nproc`` local processes, with ``env``
+    added; torchrun (and through it the workers) ends when this process does."""
+    from megatron_grpo.launch import die_with_parent
+
     rest, skip = [], False
     for a in argv:
         if skip:
@@ -84,8 +94,8 @@ def _relaunch_under_torchrun(nproc: int, argv: list[str]) -> int:
         "megatron_grpo.cli",
         *rest,
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    return subprocess.call(cmd, env=env)
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **env}
+    return subprocess.call(cmd, env=env, preexec_fn=die_with_parent)
 
 
 def cmd_plot(args: argparse.Namespace) -> int:

@@ -30,6 +30,28 @@ class WorkerError(RuntimeError):
     """A rank failed or the run timed out."""
 
 
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """Have the kernel send ``sig`` to this process when its parent dies (Linux).
+
+    torchrun puts each worker in a session of its own, so killing the launcher's process
+    group, even with SIGKILL, leaves the workers running; with this, a worker whose torchrun
+    is gone, and a torchrun whose ``megatron-grpo train --nproc`` is gone, get ``sig``
+    (torchrun stops its workers on SIGTERM). Gets ``sig`` at once if the parent is already
+    gone. Safe between fork and exec (``preexec_fn``); does nothing off Linux.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    parent = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
+    if os.getppid() != parent:  # orphaned before the call took effect
+        os.kill(os.getpid(), sig)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -10,13 +10,17 @@ run directory's ``metrics.jsonl`` to PNG files.
 from __future__ import annotations
 
 import json
+import logging
 import math
+import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from megatron_grpo.config import MetricsConfig
+
+logger = logging.getLogger(__name__)
 
 NAMESPACES = ("rollout", "train", "perf", "eval")
 """Metric names are grouped by concern: ``rollout/`` (generations, rewards, sampling),
@@ -64,10 +68,14 @@ class MetricsLogger:
         if total_steps is not None:
             self._progress = _Progress(total_steps, start_step)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        truncate_metrics(self.path, start_step)
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(str(Path(output_dir) / "tensorboard"))
+            # TensorBoard drops the events of the steps after start_step (run again now).
+            self._tb = SummaryWriter(
+                str(Path(output_dir) / "tensorboard"), purge_step=start_step + 1
+            )
         if cfg.wandb_project:
             try:
                 import wandb
@@ -168,13 +176,49 @@ def format_line(step: int, metrics: dict[str, Any], *, total_steps: int | None =
     return " | ".join(parts)
 
 
+def truncate_metrics(path: Path, last_step: int) -> None:
+    """Keep the rows of ``path`` up to ``last_step``: a resumed run logs the steps after its
+    checkpoint again. Rows that do not parse (a line cut short by a kill) are dropped with
+    a warning naming them."""
+    if not path.exists():
+        return
+    kept, dropped = [], []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            step = row["step"]
+        except (ValueError, KeyError, TypeError):
+            dropped.append(number)
+            continue
+        if step <= last_step:
+            kept.append(line)
+    if dropped:
+        logger.warning("%s: dropping unreadable line(s) %s", path, ", ".join(map(str, dropped)))
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(f"{line}\n" for line in kept))
+    os.replace(tmp, path)
+
+
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     path = Path(path)
     if path.is_dir():
         path = path / "metrics.jsonl"
     if not path.exists():
         raise FileNotFoundError(f"no metrics file at {path}")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as e:
+            raise ValueError(f"{path}:{number}: not a JSON row ({e})") from None
+        if not isinstance(row, dict) or "step" not in row:
+            raise ValueError(f"{path}:{number}: not a metrics row (an object with a step)")
+        rows.append(row)
+    return rows
 
 
 PLOTS = {

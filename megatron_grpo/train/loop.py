@@ -7,6 +7,7 @@ the weight gather are collective.
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -21,11 +22,36 @@ from megatron_grpo.rollout import stage as rollout_stage
 from megatron_grpo.rollout import weight_sync
 from megatron_grpo.train import sources
 from megatron_grpo.train import state as train_state
+from megatron_grpo.train.run_lock import HELD_ENV, RunLock, RunLockedError
 from megatron_grpo.train.step import StepSettings, train_on_rollout
 
 
 def train(cfg: Config) -> None:
     ctx = init_parallel(cfg.parallel, seed=cfg.seed)
+    lock = _lock_output_dir(cfg, ctx)
+    try:
+        _train(cfg, ctx)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _lock_output_dir(cfg: Config, ctx) -> RunLock | None:
+    """Global rank 0 takes the output directory's lock, unless the launcher holds it for
+    this run; every rank raises the same error when it is taken. Collective."""
+    lock, error = None, None
+    if ctx.is_main and os.environ.get(HELD_ENV) is None:
+        try:
+            lock = RunLock(cfg.output_dir).acquire()
+        except RunLockedError as e:
+            error = str(e)
+    error = broadcast_object(error, ctx)
+    if error is not None:
+        raise RunLockedError(error)
+    return lock
+
+
+def _train(cfg: Config, ctx) -> None:
     out = Path(cfg.output_dir)
     if ctx.is_main:
         out.mkdir(parents=True, exist_ok=True)

@@ -9,61 +9,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from demo_run import CONFIG, ROOT, demo_argv
 
 from megatron_grpo.launch import run_workers
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parents[2]
-CONFIG = ROOT / "examples" / "cpu_demo" / "grpo.yaml"
 HERE = str(Path(__file__))
 
 
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("assets")
-    subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "examples" / "cpu_demo" / "prepare.py"),
-            "--out",
-            str(out),
-            "--warmup-steps",
-            "30",
-        ],
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
-    return out
-
-
 def train(out: Path, assets: Path, *overrides: str, nproc: int = 2, timeout: int = 600):
-    args = [
-        sys.executable,
-        "-m",
-        "megatron_grpo.cli",
-        "train",
-        "--config",
-        str(CONFIG),
-        "--nproc",
-        str(nproc),
-        "--set",
-        f"output_dir={out}",
-        "--set",
-        f"tokenizer={assets / 'model'}",
-        "--set",
-        f"train.init={assets / 'model'}",
-        "--set",
-        f"data.path={assets / 'train.jsonl'}",
-        "--set",
-        "rollout.prompts_per_step=4",
-        "--set",
-        "rollout.samples_per_prompt=4",
-        "--set",
-        "metrics.tensorboard=false",
-        *[x for o in overrides for x in ("--set", o)],
-    ]
+    args = demo_argv(out, assets, *overrides, nproc=nproc)
     done = subprocess.run(args, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -54,6 +54,37 @@ def test_plot_errors_are_named(tmp_path):
         plot_run(tmp_path)
 
 
+def test_plot_names_the_file_and_line_of_a_bad_row(tmp_path):
+    good = json.dumps({"step": 1, "rollout/reward_mean": 0.5})
+    (tmp_path / "metrics.jsonl").write_text(f'{good}\n{{"step": 2, "rollout/rew\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl:2: not a JSON row"):
+        plot_run(tmp_path)
+
+
+def test_a_resumed_run_logs_from_its_checkpoint_without_duplicates(tmp_path):
+    """Steps 1-4 were logged and the last line was cut short by a kill; the checkpoint is
+    at step 2: the resumed logger keeps steps 1-2 and its step 3 replaces the old one, in
+    metrics.jsonl and in TensorBoard."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = MetricsConfig(tensorboard=True)
+    first = MetricsLogger(tmp_path, cfg, enabled=True, run_config={})
+    for step in (1, 2, 3, 4):
+        first.log(step, {"train/loss": float(step)})
+    first.close()
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 5, "train/lo')
+    resumed = MetricsLogger(tmp_path, cfg, enabled=True, run_config={}, start_step=2)
+    resumed.log(3, {"train/loss": 30.0})
+    resumed.close()
+    rows = read_metrics(tmp_path)
+    assert [(r["step"], r["train/loss"]) for r in rows] == [(1, 1.0), (2, 2.0), (3, 30.0)]
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    scalars = [(e.step, e.value) for e in events.Scalars("train/loss")]
+    assert scalars == [(1, 1.0), (2, 2.0), (3, 30.0)]
+
+
 def test_format_line_skips_missing_and_nan():
     assert format_line(5, {"train/loss": float("nan"), "train/kl": 0.25}) == "step    5 | kl 0.25"
     assert format_line(5, {"train/kl": 0.25}, total_steps=40) == "step    5/40 | kl 0.25"

@@ -1,0 +1,103 @@
+"""Faults injected for real: a second launch into a running directory, the launcher killed
+with SIGKILL, a stale lock left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from demo_run import ROOT, demo_argv
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+
+def processes_naming(text: str) -> list[int]:
+    """Live processes whose command line contains ``text``."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            state = (entry / "stat").read_text().split(")")[-1].split()[0]
+        except OSError:
+            continue
+        if text in cmdline and state != "Z":
+            pids.append(int(entry.name))
+    return pids
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(0.5)
+
+
+def logged_steps(out: Path) -> list[int]:
+    path = out / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_second_launch_refused_and_workers_die_with_a_killed_launcher(tmp_path, assets):
+    out = tmp_path / "run"
+    first = subprocess.Popen(
+        demo_argv(out, assets, "train.total_steps=500", "train.save_interval=1"),
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,  # its own process group, as a shell job would have
+    )
+    try:
+        wait_for(lambda: len(logged_steps(out)) >= 2, 300, "the first run's second step")
+        assert json.loads((out / "run.lock").read_text())["pid"] == first.pid
+
+        # 1. A second launch into the same directory exits 2 naming the holder.
+        second = subprocess.run(
+            demo_argv(out, assets, "train.total_steps=500"),
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert second.returncode == 2, second.stderr[-3000:]
+        assert f"is in use by pid {first.pid}" in second.stderr
+        assert first.poll() is None, "the first run must not be disturbed"
+
+        # 2. SIGKILL to the launcher's whole process group: torchrun is killed with it, and
+        # the workers, in sessions of their own, follow within seconds.
+        assert len(processes_naming(str(out))) >= 3  # launcher, torchrun, 2 workers
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait(timeout=30)
+        wait_for(lambda: not processes_naming(str(out)), 30, "every worker to exit")
+        steps_at_kill = logged_steps(out)
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+        for pid in processes_naming(str(out)):
+            os.kill(pid, signal.SIGKILL)
+    time.sleep(2)
+    assert logged_steps(out) == steps_at_kill, "nothing kept writing after the kill"
+
+    # 3. The lock of the dead launcher is stale: the next launch takes it over and resumes
+    # from the last checkpoint, with the steps after it logged once.
+    latest = int((out / "checkpoints" / "latest").read_text().split("_")[1])
+    resumed = subprocess.run(
+        demo_argv(out, assets, f"train.total_steps={latest + 1}", "train.save_interval=1"),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"taking over the lock of pid {first.pid}" in resumed.stderr
+    assert logged_steps(out) == list(range(1, latest + 2))
+    assert not (out / "run.lock").exists()
