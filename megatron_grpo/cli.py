@@ -53,13 +53,15 @@ def cmd_train(args: argparse.Namespace) -> int:
             print(f"megatron-grpo: error: {report.refusal()}", file=sys.stderr)
             return 2
         return 0
-    if args.nproc and "WORLD_SIZE" not in os.environ:
+    from megatron_grpo.train.preflight import preflight
+
+    launching = args.nproc and "WORLD_SIZE" not in os.environ
+    preflight(cfg, args.nproc if launching else int(os.environ.get("WORLD_SIZE", "1")))
+    if launching:
         from megatron_grpo.train.run_lock import HELD_ENV, RunLock
 
         with RunLock(cfg.output_dir) as lock:  # before any process starts
-            return _relaunch_under_torchrun(
-                args.nproc, sys.argv[1:], env={HELD_ENV: str(lock.path)}
-            )
+            return _relaunch_under_torchrun(args.nproc, sys.argv[1:], {HELD_ENV: str(lock.path)})
     from megatron_grpo.launch import die_with_parent
     from megatron_grpo.train.loop import train
 
@@ -68,9 +70,16 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+ERROR_DIR_ENV = "MEGATRON_GRPO_ERROR_DIR"
+"""Where the workers of a ``--nproc`` launch write the error that ended them."""
+
+
 def _relaunch_under_torchrun(nproc: int, argv: list[str], env: dict[str, str]) -> int:
     """Run this same command under torchrun on ``nproc`` local processes, with ``env``
-    added; torchrun (and through it the workers) ends when this process does."""
+    added; torchrun (and through it the workers) ends when this process does. When a
+    worker fails, the first error a worker raised is the last line printed."""
+    import tempfile
+
     from megatron_grpo.launch import die_with_parent
 
     rest, skip = [], False
@@ -95,7 +104,43 @@ def _relaunch_under_torchrun(nproc: int, argv: list[str], env: dict[str, str]) -
         *rest,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **env}
-    return subprocess.call(cmd, env=env, preexec_fn=die_with_parent)
+    with tempfile.TemporaryDirectory(prefix="megatron_grpo_errors_") as errors:
+        code = subprocess.call(cmd, env={**env, ERROR_DIR_ENV: errors}, preexec_fn=die_with_parent)
+        first = _first_worker_error(errors) if code else None
+    if first is None:
+        return code
+    print(
+        f"megatron-grpo: error: rank {first['rank']}: {first['type']}: {first['message']}",
+        file=sys.stderr,
+    )
+    return 2 if first["type"] in ("ValueError", "FileNotFoundError") else 1
+
+
+def _first_worker_error(errors: str) -> dict | None:
+    import json
+    from pathlib import Path
+
+    found = [json.loads(p.read_text()) for p in Path(errors).glob("rank*.json")]
+    return min(found, key=lambda e: e["time"]) if found else None
+
+
+def _record_worker_error(error: BaseException) -> None:
+    """Under a ``--nproc`` launch, leave ``error`` for the launcher to print last."""
+    import json
+    import time
+    from pathlib import Path
+
+    where = os.environ.get(ERROR_DIR_ENV)
+    if where is None or "RANK" not in os.environ:
+        return
+    rank = os.environ["RANK"]
+    record = {
+        "rank": int(rank),
+        "type": type(error).__name__,
+        "message": str(error).splitlines()[0] if str(error) else "",
+        "time": time.time(),
+    }
+    (Path(where) / f"rank{rank}.json").write_text(json.dumps(record))
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
@@ -205,8 +250,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as e:
+        _record_worker_error(e)
         print(f"megatron-grpo: error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:
+        _record_worker_error(e)
+        raise
 
 
 if __name__ == "__main__":

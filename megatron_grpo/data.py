@@ -171,7 +171,11 @@ class PromptDataset:
     dropped by ``max_prompt_length``.
     """
 
-    def __init__(self, config: DataConfig, tokenizer: PreTrainedTokenizerBase) -> None:
+    def __init__(
+        self, config: DataConfig, tokenizer: PreTrainedTokenizerBase, *, first_only: bool = False
+    ) -> None:
+        """``first_only`` stops at the first usable prompt: a check that the files hold one,
+        which raises as a full read would when they hold none."""
         if not config.paths:
             raise ValueError("data.path is empty: give a .jsonl or .parquet file")
         if config.apply_chat_template and not getattr(tokenizer, "chat_template", None):
@@ -201,6 +205,8 @@ class PromptDataset:
                     self.num_too_long += 1
                     continue
                 self.items.append(PromptItem(len(self.items), ids, text, label, metadata))
+                if first_only:
+                    return
         if self.num_too_long:
             logger.warning(
                 "dropped %d of %d prompts longer than data.max_prompt_length=%d tokens",

@@ -10,6 +10,7 @@ without building). ``apply_override`` applies a dotted
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from pathlib import Path
@@ -104,16 +105,27 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
         return dict(value)
     if tp is Any:
         return value
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if tp is float and isinstance(value, str):
-        try:
-            return float(value)  # YAML reads 1e-6 as a string
-        except ValueError:
-            pass
+    if tp is float:
+        return _float(value, key)
     if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
         raise ValueError(f"{key} must be {tp.__name__}, got {value!r}")
     return value
+
+
+def _float(value: Any, key: str) -> float:
+    number = value
+    if isinstance(value, int) and not isinstance(value, bool):
+        number = float(value)
+    elif isinstance(value, str):
+        try:
+            number = float(value)  # YAML reads 1e-6 as a string
+        except ValueError:
+            pass
+    if not isinstance(number, float):
+        raise ValueError(f"{key} must be float, got {value!r}")
+    if not math.isfinite(number):
+        raise ValueError(f"{key} must be a finite number, got {value!r}")
+    return number
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

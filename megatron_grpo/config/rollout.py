@@ -67,6 +67,15 @@ class RolloutConfig:
                 raise ValueError(f"rollout.{name} must be >= 1, got {getattr(self, name)}")
         if self.num_servers < 1:
             raise ValueError(f"rollout.num_servers must be >= 1, got {self.num_servers}")
+        if self.temperature < 0:
+            raise ValueError(f"rollout.temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"rollout.top_k must be -1 (off) or >= 1, got {self.top_k}")
+        for name in ("request_timeout_s", "server_startup_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"rollout.{name} must be > 0, got {getattr(self, name)}")
         if self.engine == "sglang" and self.replay_dir is None:
             if not self.urls and not self.launch_command:
                 raise ValueError("rollout.engine=sglang needs rollout.urls or launch_command")

@@ -101,3 +101,29 @@ def test_second_launch_refused_and_workers_die_with_a_killed_launcher(tmp_path, 
     assert f"taking over the lock of pid {first.pid}" in resumed.stderr
     assert logged_steps(out) == list(range(1, latest + 2))
     assert not (out / "run.lock").exists()
+
+
+def test_an_error_inside_a_worker_is_the_last_line(tmp_path, assets):
+    """A reward function that raises on rank 0 mid-rollout: the other rank dies in its
+    collective and torchrun prints its report, but the run ends on the first error."""
+    (tmp_path / "broken_reward.py").write_text(
+        "def score(response, label, metadata):\n    raise RuntimeError('verifier crashed')\n"
+    )
+    done = subprocess.run(
+        demo_argv(
+            tmp_path / "run",
+            assets,
+            "train.total_steps=2",
+            "reward.type=custom",
+            "reward.custom_function=broken_reward:score",
+        ),
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 1
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("megatron-grpo: error: rank 0: RewardError: "), done.stderr[-3000:]
+    assert "verifier crashed" in last

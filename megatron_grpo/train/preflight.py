@@ -1,0 +1,55 @@
+"""What can be checked before any worker starts, without building the model.
+
+``megatron-grpo train`` runs ``preflight`` in the launching process (and each torchrun
+worker again before its process group): the layout against the world size and the
+model's heads, query groups and widths, the global batch against DP, the tokenizer, a
+usable prompt in the data files, the reward function. A failure raises ValueError
+naming the config key; the command exits 2 with that one line.
+"""
+
+from __future__ import annotations
+
+from megatron_grpo.config import Config
+from megatron_grpo.config.hf import query_groups
+from megatron_grpo.train import sources
+
+
+def preflight(cfg: Config, world_size: int) -> None:
+    m, dims = cfg.model, cfg.parallel
+    dp = dims.data_parallel_size(world_size)
+    dims.validate_model(
+        num_layers=m.num_layers,
+        num_attention_heads=m.num_attention_heads,
+        num_query_groups=query_groups(m),
+    )
+    if m.ffn_hidden_size % dims.tp:
+        raise ValueError(
+            f"model.ffn_hidden_size={m.ffn_hidden_size} is not divisible by parallel.tp={dims.tp}"
+        )
+    batch = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
+    gbs = cfg.train.global_batch_size or batch
+    if gbs < dp:
+        raise ValueError(
+            f"train.global_batch_size={gbs} is below DP={dp} ({world_size} processes / "
+            f"TP x PP x CP): every DP rank needs a sample"
+        )
+    if cfg.rollout.replay_dir is not None:
+        return
+    from transformers import AutoTokenizer
+
+    from megatron_grpo.data import PromptDataset
+    from megatron_grpo.rewards import RewardScorer
+
+    path = sources.tokenizer_path(cfg)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"tokenizer {path!r} does not load: {e}") from None
+    try:
+        PromptDataset(cfg.data, tokenizer, first_only=True)
+    except ValueError as e:
+        raise ValueError(f"data: {e}") from None
+    try:
+        RewardScorer(cfg.reward)  # imports a custom reward function
+    except ValueError as e:
+        raise ValueError(f"reward.{cfg.reward.type}: {e}") from None

@@ -1,0 +1,90 @@
+"""Bad values that ``megatron-grpo train`` refuses before any process starts: exit 2, one
+line naming the config key."""
+
+import json
+
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from megatron_grpo import cli
+
+MODEL = [
+    "model.num_layers=2",
+    "model.hidden_size=64",
+    "model.ffn_hidden_size=128",
+    "model.num_attention_heads=4",
+    "model.num_query_groups=2",
+    "model.vocab_size=32",
+    "data.apply_chat_template=false",
+]
+
+
+@pytest.fixture
+def run(tmp_path, monkeypatch, capsys):
+    """``megatron-grpo train --nproc 2`` on a tokenizer and a data file made here; the exit
+    code and stderr. Starting torchrun fails the test: refusals come before it."""
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    words = "what is one plus two".split()
+    tok.train_from_iterator([" ".join(words)], trainers.WordLevelTrainer(special_tokens=["<unk>"]))
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>").save_pretrained(
+        tmp_path / "tok"
+    )
+    data = tmp_path / "train.jsonl"
+    data.write_text(json.dumps({"prompt": "what is one plus two", "label": "3"}) + "\n")
+
+    def launched(*args, **kwargs):
+        raise AssertionError("torchrun was started")
+
+    monkeypatch.setattr(cli, "_relaunch_under_torchrun", launched)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+
+    def train(*overrides: str, nproc: int = 2) -> tuple[int, str]:
+        base = [f"tokenizer={tmp_path / 'tok'}", f"data.path={data}", *MODEL]
+        sets = [f"--set={o}" for o in [*base, f"output_dir={tmp_path / 'out'}", *overrides]]
+        code = cli.main(["train", *sets, "--nproc", str(nproc)])
+        return code, capsys.readouterr().err
+
+    return train
+
+
+@pytest.mark.parametrize(
+    "overrides, nproc, message",
+    [
+        (["rollout.temperature=-1"], 2, "rollout.temperature must be >= 0, got -1.0"),
+        (["optim.lr=nan"], 2, "optim.lr must be a finite number, got 'nan'"),
+        (["parallel.tp=2"], 3, "world size 3 is not divisible by TP(2) x PP(1) x CP(1)"),
+        (["parallel.tp=8"], 8, "model.num_attention_heads=4 is not divisible by TP=8"),
+        (["model.ffn_hidden_size=100", "parallel.tp=8"], 8, "not divisible by TP=8"),
+        (
+            ["rollout.samples_per_prompt=1", "rollout.prompts_per_step=1"],
+            2,
+            "train.global_batch_size=1 is below DP=2",
+        ),
+        (["data.path=/nowhere/train.jsonl"], 2, "data.path '/nowhere/train.jsonl' does not"),
+        (["reward.type=custom", "reward.custom_function=no_such_module:score"], 2, None),
+    ],
+)
+def test_refused_before_launch(run, overrides, nproc, message):
+    code, err = run(*overrides, nproc=nproc)
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert lines[-1].startswith("megatron-grpo: error: "), err
+    if message is not None:
+        assert message in lines[-1], err
+    if overrides[0].startswith("reward"):
+        assert "reward.custom: " in lines[-1] and "cannot import 'no_such_module'" in lines[-1]
+
+
+def test_a_dataset_without_a_usable_row_is_refused(run, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"label": "3"}\nnot json\n')
+    code, err = run(f"data.path={bad}")
+    assert code == 2
+    assert f"data: every row of {bad} is bad (2 rows); first: {bad}:1:" in err
+
+
+def test_a_good_config_reaches_the_launch(run):
+    with pytest.raises(AssertionError, match="torchrun was started"):
+        run()
