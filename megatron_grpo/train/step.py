@@ -179,7 +179,7 @@ def optimizer_step(
     loss_fn: LossFn[MicroBatch],
     *,
     on_gradients: Callable[[], None] | None = None,
-) -> dict[str, float]:
+) -> dict[str, float | None]:
     """One optimizer step on one global batch; its metrics, the same on every rank.
 
     ``on_gradients`` runs on every rank after the backward passes and the DP
@@ -210,7 +210,7 @@ def train_on_rollout(
     *,
     ref_model: list | None = None,
     on_gradients: Callable[[], None] | None = None,
-) -> list[dict[str, float]]:
+) -> list[dict[str, float | None]]:
     """All optimizer steps of one rollout batch; metrics per step (same on every rank)."""
     batches = [
         plan_micro_batches(b, ctx, settings)
@@ -231,7 +231,7 @@ def train_on_rollout(
     ]
 
 
-def reduce_metrics(per_mb: list[dict[str, Any]], ctx: ParallelContext) -> dict[str, float]:
+def reduce_metrics(per_mb: list[dict[str, Any]], ctx: ParallelContext) -> dict[str, float | None]:
     """Token-mean metrics of one global batch, the same on every rank.
 
     Only one TP rank of each last-stage DP replica contributes, so nothing is
@@ -248,13 +248,18 @@ def reduce_metrics(per_mb: list[dict[str, Any]], ctx: ParallelContext) -> dict[s
         dist.all_reduce(on_device)
         totals = on_device.cpu()
     sums = dict(zip(keys, totals.tolist()))
-    tokens = max(sums["tokens"], 1.0)
+    tokens = sums["tokens"]
+
+    def per_token(name: str) -> float | None:
+        """A mean over loss tokens; None (not measured, logged as null) without any."""
+        return sums[name] / tokens if tokens else None
+
     return {
         "loss": sums["loss"],
-        "loss_tokens": sums["tokens"],
-        "clip_fraction": sums["clipped"] / tokens,
-        "kl": sums["kl"] / tokens,
-        "entropy": sums["entropy"] / tokens,
-        "logprob_mismatch": sums["mismatch"] / tokens,
-        "is_rejected_fraction": sums["is_rejected"] / tokens,
+        "loss_tokens": tokens,
+        "clip_fraction": per_token("clipped"),
+        "kl": per_token("kl"),
+        "entropy": per_token("entropy"),
+        "logprob_mismatch": per_token("mismatch"),
+        "is_rejected_fraction": per_token("is_rejected"),
     }

@@ -171,3 +171,23 @@ def test_weight_buckets_are_size_bounded():
     assert sizes == [["w0", "w1"], ["w2", "w3"], ["w4"]]
     big = {"a": torch.zeros(100), "b": torch.zeros(1)}
     assert [list(b) for b in buckets(big, max_bytes=10)] == [["a"], ["b"]]
+
+
+def test_an_all_masked_batch_reports_its_token_means_as_not_measured(tmp_path, capsys):
+    """No loss token in the global batch: entropy, KL and the fractions are null in
+    metrics.jsonl and left off the step line, not a 0.0 that reads as a measurement."""
+    from types import SimpleNamespace
+
+    from megatron_grpo.algo.loss import METRIC_SUMS
+    from megatron_grpo.train.step import reduce_metrics
+
+    single = SimpleNamespace(is_last_stage=True, tp_rank=0, world_size=1)
+    metrics = reduce_metrics([{"loss": 0.0, **dict.fromkeys(METRIC_SUMS, 0.0)}], single)
+    assert metrics["loss_tokens"] == 0 and metrics["loss"] == 0.0
+    for name in ("entropy", "kl", "clip_fraction", "logprob_mismatch", "is_rejected_fraction"):
+        assert metrics[name] is None, name
+    log = MetricsLogger(tmp_path, MetricsConfig(tensorboard=True), enabled=True, run_config={})
+    log.log(1, namespaced("train", metrics))
+    log.close()
+    assert read_metrics(tmp_path)[0]["train/entropy"] is None
+    assert "entropy" not in capsys.readouterr().out

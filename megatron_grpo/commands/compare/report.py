@@ -91,7 +91,7 @@ class Series:
 def aggregate(per_seed_rows: dict[int, list[dict[str, Any]]], key: str) -> Series | None:
     """Mean and spread of ``key`` over seeds, on the steps every seed logged it at."""
     by_seed = {
-        seed: {r["step"]: float(r[key]) for r in rows if key in r}
+        seed: {r["step"]: float(r[key]) for r in rows if r.get(key) is not None}
         for seed, rows in per_seed_rows.items()
     }
     if not by_seed:
