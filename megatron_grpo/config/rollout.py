@@ -49,6 +49,13 @@ class RolloutConfig:
     """Give completions cut by max_new_tokens no loss tokens (overlong filtering)."""
     max_concurrency: int = 64
     request_timeout_s: float = 600.0
+    """Limit for one generation; one that runs longer is aborted on its server."""
+    connect_timeout_s: float = 10.0
+    """Limit for opening a connection to a server (retried like a refusal)."""
+    control_timeout_s: float = 60.0
+    """Limit for health, pause, abort and info calls."""
+    weight_update_timeout_s: float = 600.0
+    """Limit for one weight-update call."""
     sync_method: Literal["tensor", "disk", "distributed"] = "tensor"
     """How weights reach the servers after each step; ``tensor`` (shared memory) and ``disk``
     need the servers on this machine, ``distributed`` (a gloo/nccl broadcast) does not."""
@@ -73,7 +80,14 @@ class RolloutConfig:
             raise ValueError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
         if self.top_k == 0 or self.top_k < -1:
             raise ValueError(f"rollout.top_k must be -1 (off) or >= 1, got {self.top_k}")
-        for name in ("request_timeout_s", "server_startup_timeout_s"):
+        timeouts = (
+            "request_timeout_s",
+            "connect_timeout_s",
+            "control_timeout_s",
+            "weight_update_timeout_s",
+            "server_startup_timeout_s",
+        )
+        for name in timeouts:
             if getattr(self, name) <= 0:
                 raise ValueError(f"rollout.{name} must be > 0, got {getattr(self, name)}")
         if self.engine == "sglang" and self.replay_dir is None:

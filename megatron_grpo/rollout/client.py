@@ -118,9 +118,14 @@ class SGLangClient:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
 
-    async def close(self) -> None:
+    async def settle(self) -> None:
+        """Wait (up to ``control_timeout_s``) for the aborts this client asked for to reach
+        their servers."""
         if self._background:
             await asyncio.wait(self._background, timeout=self.config.control_timeout_s)
+
+    async def close(self) -> None:
+        await self.settle()
         if self._session is not None:
             await self._session.close()
             self._session = None

@@ -15,6 +15,7 @@ weights.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import tempfile
 from collections.abc import Mapping
@@ -67,6 +68,9 @@ class RolloutRuntime:
                 urls=urls,
                 max_concurrency=cfg.max_concurrency,
                 request_timeout_s=cfg.request_timeout_s,
+                connect_timeout_s=cfg.connect_timeout_s,
+                control_timeout_s=cfg.control_timeout_s,
+                weight_update_timeout_s=cfg.weight_update_timeout_s,
             )
             opened = SGLangClient(config)
             self.loop.run_until_complete(opened.__aenter__())
@@ -98,7 +102,16 @@ class RolloutRuntime:
                 seed=seed,
             ),
         )
-        flat = self.loop.run_until_complete(self.client.generate(request))
+        task = self.loop.create_task(self.client.generate(request))
+        try:
+            flat = self.loop.run_until_complete(task)
+        finally:
+            if not task.done():  # interrupted (Ctrl-C): cancelling aborts what is in flight
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    self.loop.run_until_complete(task)
+            # Whatever ended it, the aborts it asked for reach the servers before we go on.
+            self.loop.run_until_complete(self.client.settle())
         groups: list[list[Any]] = [[None] * cfg.samples_per_prompt for _ in prompts]
         for s in flat:
             groups[s.prompt_index][s.sample_index] = s

@@ -345,8 +345,18 @@ def launch_servers(cfg: LaunchConfig) -> ServerGroup:
 def attach_servers(
     urls: Sequence[str], *, router_url: str | None = None, timeout_s: float = 60.0
 ) -> ServerGroup:
-    """Servers started elsewhere; registered with the router when one is given."""
+    """Servers started elsewhere, once each answers ``/health`` (waiting up to ``timeout_s``
+    for one that is still starting); registered with the router when one is given."""
     urls = tuple(u.rstrip("/") for u in urls)
+    deadline = time.monotonic() + timeout_s
+    for url in urls:
+        while not _http_ok(f"{url}/health", timeout_s=min(10.0, timeout_s)):
+            if time.monotonic() > deadline:
+                raise ServerStartError(
+                    f"no server answers {url}/health after {timeout_s:g} s "
+                    "(rollout.server_startup_timeout_s); is it started, and is the URL right?"
+                )
+            time.sleep(0.5)
     if router_url:
         register_with_router(router_url, urls, timeout_s=timeout_s)
     return ServerGroup(urls=urls, router_url=router_url)

@@ -7,6 +7,7 @@ the weight gather are collective.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from pathlib import Path
@@ -83,50 +84,66 @@ def _train(cfg: Config, ctx) -> None:
         total_steps=cfg.train.total_steps,
         start_step=start_step,
     )
-    for step in range(start_step + 1, cfg.train.total_steps + 1):
-        t0 = time.perf_counter()
-        if cfg.rollout.replay_dir is not None:
-            batch = rollout_stage.replay(cfg.rollout.replay_dir, step) if ctx.is_main else None
-        else:
-            assert rollout is not None
-            batch = rollout.collect(step)
-        batch = broadcast_object(batch, ctx)
-        t1 = time.perf_counter()
-        history = train_on_rollout(
-            model, optimizer, scheduler, ctx, batch.samples, cfg.loss, settings, ref_model=ref_model
-        )
-        sync_params(model)  # weight sync and checkpoints read the full parameters
-        t2 = time.perf_counter()
-        if rollout is not None:
-            rollout.sync(model, step)
-        t3 = time.perf_counter()
-        num_tokens = sum(len(s) for s in batch.samples)
-        perf = {
-            "time_rollout_s": t1 - t0,
-            "time_train_s": t2 - t1,
-            "time_sync_s": t3 - t2,
-            "train_tokens_per_s": num_tokens * settings.num_iterations / max(t2 - t1, 1e-9),
-        }
-        logger.log(
-            step,
-            {
-                **namespaced("rollout", batch.stats),
-                **namespaced("train", history[-1]),
-                **namespaced("perf", perf),
-            },
-        )
-        last = step == cfg.train.total_steps
-        if last or (cfg.train.save_interval and step % cfg.train.save_interval == 0):
-            train_state.save(
-                out,
-                step,
-                model=model,
-                optimizer=optimizer,
-                scheduler=scheduler,
-                ctx=ctx,
-                extra=broadcast_object(rollout.state() if rollout else {}, ctx),
-                keep_last=cfg.train.keep_last,
+    try:
+        for step in range(start_step + 1, cfg.train.total_steps + 1):
+            t0 = time.perf_counter()
+            if cfg.rollout.replay_dir is not None:
+                batch = rollout_stage.replay(cfg.rollout.replay_dir, step) if ctx.is_main else None
+            else:
+                assert rollout is not None
+                batch = rollout.collect(step)
+            batch = broadcast_object(batch, ctx)
+            t1 = time.perf_counter()
+            history = train_on_rollout(
+                model,
+                optimizer,
+                scheduler,
+                ctx,
+                batch.samples,
+                cfg.loss,
+                settings,
+                ref_model=ref_model,
             )
+            sync_params(model)  # weight sync and checkpoints read the full parameters
+            t2 = time.perf_counter()
+            if rollout is not None:
+                rollout.sync(model, step)
+            t3 = time.perf_counter()
+            num_tokens = sum(len(s) for s in batch.samples)
+            perf = {
+                "time_rollout_s": t1 - t0,
+                "time_train_s": t2 - t1,
+                "time_sync_s": t3 - t2,
+                "train_tokens_per_s": num_tokens * settings.num_iterations / max(t2 - t1, 1e-9),
+            }
+            logger.log(
+                step,
+                {
+                    **namespaced("rollout", batch.stats),
+                    **namespaced("train", history[-1]),
+                    **namespaced("perf", perf),
+                },
+            )
+            last = step == cfg.train.total_steps
+            if last or (cfg.train.save_interval and step % cfg.train.save_interval == 0):
+                train_state.save(
+                    out,
+                    step,
+                    model=model,
+                    optimizer=optimizer,
+                    scheduler=scheduler,
+                    ctx=ctx,
+                    extra=broadcast_object(rollout.state() if rollout else {}, ctx),
+                    keep_last=cfg.train.keep_last,
+                )
+    except BaseException:  # the engines stop and no request is left running; the error stays
+        with contextlib.suppress(Exception):
+            _close(logger, rollout)
+        raise
+    _close(logger, rollout)
+
+
+def _close(logger: MetricsLogger, rollout: _RolloutSide | None) -> None:
     logger.close()
     if rollout is not None:
         rollout.close()

@@ -5,7 +5,8 @@
 503, ``exit`` prints a message and exits 3. ``--children N`` forks N
 sleeping processes into the same process group, as SGLang forks its
 scheduler and detokenizer; ``GET /pids`` lists them. ``--ignore-term`` makes
-every process ignore SIGTERM.
+every process ignore SIGTERM. ``POST /generate`` never answers (a hung generation);
+``POST /abort_request`` appends its body to ``--abort-log``.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ def main() -> None:
     parser.add_argument("--children", type=int, default=0)
     parser.add_argument("--ignore-term", action="store_true")
     parser.add_argument("--model", default=None)
+    parser.add_argument("--abort-log", default=None)
     args = parser.parse_args()
     print(f"fake server: port {args.port} model {args.model}", flush=True)
     if args.mode == "exit":
@@ -55,6 +57,18 @@ def main() -> None:
             else:
                 self._send(404, {"error": self.path})
 
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            if self.path == "/generate":
+                time.sleep(3600)  # hung: the client's request timeout ends it
+            elif self.path == "/abort_request":
+                if args.abort_log:
+                    with open(args.abort_log, "a") as f:
+                        f.write(body.decode() + "\n")
+                self._send(200, {})
+            else:
+                self._send(404, {"error": self.path})
+
         def _send(self, status: int, body: dict) -> None:
             raw = json.dumps(body).encode()
             self.send_response(status)
@@ -66,7 +80,9 @@ def main() -> None:
         def log_message(self, *args: object) -> None:
             pass
 
-    ThreadingHTTPServer((args.host, args.port), Handler).serve_forever()
+    server = ThreadingHTTPServer((args.host, args.port), Handler)
+    server.daemon_threads = True
+    server.serve_forever()
 
 
 if __name__ == "__main__":

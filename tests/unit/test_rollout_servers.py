@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -357,3 +358,56 @@ def test_runtime_launches_from_the_config_and_stops_on_close(tmp_path, fake_rout
 def test_rollout_config_checks_the_server_fields(kwargs, message):
     with pytest.raises(ValueError, match=message):
         RolloutConfig(**kwargs)
+
+
+def test_a_hung_generation_is_aborted_on_its_server_before_the_error_returns(tmp_path):
+    """The server never answers /generate: after request_timeout_s the runtime raises, and
+    by then every sample's /abort_request has reached the server (not left to a task that
+    dies with the event loop)."""
+    from megatron_grpo.rollout.errors import RolloutBatchError
+    from megatron_grpo.rollout.runtime import RolloutRuntime
+
+    aborts = tmp_path / "aborts.jsonl"
+    cfg = RolloutConfig(
+        engine="sglang",
+        launch_command=f"{FAKE} --host {{host}} --port {{port}} --abort-log {aborts}",
+        server_log_dir=str(tmp_path / "logs"),
+        prompts_per_step=1,
+        samples_per_prompt=2,
+        request_timeout_s=1.0,
+    )
+    runtime = RolloutRuntime(cfg, model_path="/some/model")
+    try:
+        with pytest.raises(RolloutBatchError) as e:
+            runtime.generate_groups([[1, 2, 3]], cfg, seed=0, stop_token_ids=[])
+        assert "request_timeout_s=1.0" in str(e.value)
+        rids = sorted(json.loads(line)["rid"] for line in aborts.read_text().splitlines())
+        assert len(rids) == 2 and len(set(rids)) == 2
+    finally:
+        runtime.close()
+
+
+def test_attaching_waits_for_a_server_that_is_still_starting(tmp_path):
+    from megatron_grpo.rollout.servers import ServerStartError, attach_servers
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with pytest.raises(ServerStartError, match=rf"no server answers {url}/health after 1 s"):
+        attach_servers([url], timeout_s=1.0)
+    late = threading.Timer(
+        1.5,
+        lambda: started.append(
+            subprocess.Popen([*FAKE.split(), "--port", str(port)], start_new_session=True)
+        ),
+    )
+    started: list = []
+    late.start()
+    try:
+        t0 = time.monotonic()
+        assert attach_servers([url], timeout_s=60.0).urls == (url,)
+        assert time.monotonic() - t0 >= 1.5
+    finally:
+        late.join()
+        for process in started:
+            process.kill()
+            process.wait()
