@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import torch
+import torch.nn.functional as F
 
 from megatron_grpo.mcore.parallel import ParallelContext
 
@@ -66,11 +67,14 @@ def run_schedule(
     if not micro_batches:
         raise ValueError("run_schedule needs at least one micro-batch")
     config = model[0].config
+    multiple = ctx.dims.tp if ctx.dims.uses_sequence_parallel else 1
 
     def forward_step(data_iterator, chunk):
         batch = next(data_iterator)
-        logits = chunk(batch.tokens, batch.position_ids, batch.attention_mask)
-        return logits, lambda output: loss_fn(batch, output)
+        tokens, positions, mask = _padded(batch, multiple)
+        length = batch.tokens.shape[1]
+        logits = chunk(tokens, positions, mask)
+        return logits, lambda output: loss_fn(batch, output[:, :length])
 
     num_chunks = len(model)
     iterators: Any = [iter(micro_batches) for _ in range(num_chunks)]
@@ -82,12 +86,27 @@ def run_schedule(
         data_iterator=iterators,
         model=model if num_chunks > 1 else model[0],
         num_microbatches=len(micro_batches),
-        seq_length=max(mb.tokens.shape[1] for mb in micro_batches),
+        seq_length=max(-(-mb.tokens.shape[1] // multiple) * multiple for mb in micro_batches),
         micro_batch_size=micro_batches[0].tokens.shape[0],
         forward_only=forward_only,
         p2p_communicator=P2PCommunicator(pp_group=ctx.pp_group, config=config),
         pg_collection=ctx.pg,
     )
+
+
+def _padded(batch: ModelInput, multiple: int):
+    """(tokens, position ids, mask) with the sequence padded to ``multiple`` positions:
+    sequence parallelism splits it over the TP ranks. Padding at the end changes nothing
+    before it under causal attention; a batch with its own mask must come padded."""
+    pad = -batch.tokens.shape[1] % multiple
+    if not pad:
+        return batch.tokens, batch.position_ids, batch.attention_mask
+    if batch.attention_mask is not None:
+        raise ValueError(
+            f"a micro-batch of {batch.tokens.shape[1]} positions with an attention mask must "
+            f"be padded to a multiple of TP={multiple} (sequence parallelism) by its maker"
+        )
+    return F.pad(batch.tokens, (0, pad)), F.pad(batch.position_ids, (0, pad)), None
 
 
 def zero_grads(model: list) -> None:

@@ -56,6 +56,7 @@ def _train(cfg: Config, ctx) -> None:
     out = Path(cfg.output_dir)
     if ctx.is_main:
         out.mkdir(parents=True, exist_ok=True)
+        train_state.remove_partial_saves(out)  # this run holds the directory's lock
         (out / "config.yaml").write_text(dump_config(cfg))
         print(dump_config(cfg), flush=True)
     model = build_model(cfg.model, ctx, optim=cfg.optim, train=cfg.train)

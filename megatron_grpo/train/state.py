@@ -27,6 +27,18 @@ def checkpoints_dir(output_dir: str | Path) -> Path:
     return Path(output_dir) / "checkpoints"
 
 
+def remove_partial_saves(output_dir: str | Path) -> list[Path]:
+    """Delete the ``.partial`` folders that saves cut short left behind; the ones removed.
+
+    Only for the run that holds the output directory (see ``run_lock``): no other process
+    can be writing them.
+    """
+    partial = sorted(checkpoints_dir(output_dir).glob("*.partial"))
+    for path in partial:
+        shutil.rmtree(path, ignore_errors=True)
+    return partial
+
+
 def latest_checkpoint(output_dir: str | Path) -> Path | None:
     """The checkpoint ``latest`` points at, or None when there is none."""
     pointer = checkpoints_dir(output_dir) / "latest"

@@ -1,5 +1,5 @@
 """Faults injected for real: a second launch into a running directory, the launcher killed
-with SIGKILL, a stale lock left behind."""
+with SIGKILL, a stale lock left behind, an error inside a worker, a crash loop."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ import subprocess
 import time
 from pathlib import Path
 
+import demo_run
 import pytest
+import torch
 from demo_run import ROOT, demo_argv
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -127,3 +129,80 @@ def test_an_error_inside_a_worker_is_the_last_line(tmp_path, assets):
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("megatron-grpo: error: rank 0: RewardError: "), done.stderr[-3000:]
     assert "verifier crashed" in last
+
+
+RESUMED_METRICS = (
+    "rollout/reward_mean",
+    "rollout/response_length_mean",
+    "train/loss",
+    "train/grad_norm",
+    "train/entropy",
+)
+
+
+def latest_saved(out: Path) -> int:
+    pointer = out / "checkpoints" / "latest"
+    return int(pointer.read_text().split("_")[1]) if pointer.exists() else 0
+
+
+def test_crash_loop_ends_where_an_uninterrupted_run_ends(tmp_path, assets):
+    """kill -9 of the whole launch up to three times, at different points of a step
+    (generation, training, saving), resuming each time: the end state is the uninterrupted
+    run's, with every step logged once and no half-written checkpoint left."""
+    from megatron_grpo.launch import run_workers
+
+    steps = ("train.total_steps=10", "train.save_interval=1")
+    full = tmp_path / "full"
+    done = subprocess.run(demo_argv(full, assets, *steps), cwd=ROOT, capture_output=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    out = tmp_path / "crashed"
+    kills = 0
+    for attempt, delay in enumerate((0.3, 0.8, 1.5)):
+        log = (tmp_path / f"launch{attempt}.log").open("w")
+        launch = subprocess.Popen(
+            demo_argv(out, assets, *steps),
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        saved = latest_saved(out)
+
+        def progressed(launch=launch, saved=saved) -> bool:
+            return latest_saved(out) > saved or launch.poll() is not None
+
+        wait_for(progressed, 300, "a save")
+        time.sleep(delay)  # into the next step's rollout, train step or save
+        if launch.poll() is not None:  # it finished first: a fast machine
+            assert launch.returncode == 0, (tmp_path / f"launch{attempt}.log").read_text()[-3000:]
+            break
+        os.killpg(launch.pid, signal.SIGKILL)
+        launch.wait(timeout=30)
+        kills += 1
+        wait_for(lambda: not processes_naming(str(out)), 30, "every worker to exit")
+    assert kills >= 2
+    done = subprocess.run(demo_argv(out, assets, *steps), cwd=ROOT, capture_output=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    expected = [json.loads(x) for x in (full / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 11))
+    for got, want in zip(rows, expected, strict=True):
+        for key in RESUMED_METRICS:
+            assert got[key] == pytest.approx(want[key], rel=1e-6, abs=1e-9), (got["step"], key)
+    assert not list((out / "checkpoints").glob("*.partial"))
+    weights = [
+        run_workers(
+            f"{demo_run.__file__}:full_params",
+            1,
+            kwargs={
+                "ckpt": str(run / "checkpoints" / "step_00000010"),
+                "config": str(run / "config.yaml"),
+            },
+            timeout=300,
+        )[0]
+        for run in (full, out)
+    ]
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import demo_run
 import pytest
 import torch
 from demo_run import CONFIG, ROOT, demo_argv
@@ -15,7 +16,7 @@ from megatron_grpo.launch import run_workers
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
-HERE = str(Path(__file__))
+WORKERS = demo_run.__file__  # worker functions, loaded by path in each process
 
 
 def train(out: Path, assets: Path, *overrides: str, nproc: int = 2, timeout: int = 600):
@@ -160,40 +161,6 @@ def test_bad_dataset_rows_are_reported_and_skipped(tmp_path, assets):
         assert f"mixed.jsonl:{line}" in log or f"line {line}" in log, log[-3000:]
 
 
-def full_params(ckpt: str, config: str) -> dict:
-    """Worker: one process loads a checkpoint and returns its layout-free parameters."""
-    from megatron_grpo.config import ParallelDims, load_config
-    from megatron_grpo.mcore import checkpoint
-    from megatron_grpo.mcore.full_state import gather_full_state
-    from megatron_grpo.mcore.model import build_model
-    from megatron_grpo.mcore.parallel import init_parallel
-
-    cfg = load_config(config)
-    ctx = init_parallel(ParallelDims())
-    model = build_model(cfg.model, ctx)
-    checkpoint.load_model(model, ckpt)
-    return gather_full_state(model, ctx, vocab_size=cfg.model.vocab_size)
-
-
-def reference_update(init: str, dump: str, lr: float) -> dict:
-    """Worker: one plain-PyTorch SGD step of the token-mean GRPO loss on a transformers model."""
-    from transformers import AutoModelForCausalLM
-
-    from megatron_grpo.rollout.stage import replay
-
-    hf = AutoModelForCausalLM.from_pretrained(init).float()
-    hf.model.embed_tokens.padding_idx = None  # the learner's embedding has no frozen pad row
-    before = {k: v.clone() for k, v in hf.state_dict().items()}
-    samples = replay(dump, 1).samples
-    num_tokens = sum(s.num_loss_tokens for s in samples)
-    for s in samples:
-        logits = hf(input_ids=s.tokens[None]).logits[0, :-1]
-        logp = torch.log_softmax(logits.float(), -1).gather(-1, s.tokens[1:, None])[:, 0]
-        ratio = torch.exp(logp - logp.detach())  # on-policy: ratio 1, gradient of logp
-        (-(s.advantage * ratio * s.loss_mask[1:]).sum() / num_tokens).backward()
-    return {k: -lr * p.grad for k, p in hf.named_parameters()} | {"_before": before}
-
-
 def test_replayed_step_gives_the_same_parameters_at_two_layouts(tmp_path, assets):
     sgd = (
         "optim.optimizer=sgd",
@@ -208,7 +175,7 @@ def test_replayed_step_gives_the_same_parameters_at_two_layouts(tmp_path, assets
     train(tmp_path / "tp2pp2", assets, *replay, "parallel.pp=2", "parallel.tp=2", nproc=4)
     states = [
         run_workers(
-            f"{HERE}:full_params",
+            f"{WORKERS}:full_params",
             1,
             timeout=200,
             kwargs={
@@ -228,7 +195,7 @@ def test_replayed_step_gives_the_same_parameters_at_two_layouts(tmp_path, assets
     from megatron_grpo.convert.weights import megatron_to_hf
 
     ref = run_workers(
-        f"{HERE}:reference_update",
+        f"{WORKERS}:reference_update",
         1,
         timeout=200,
         kwargs={"init": str(assets / "model"), "dump": str(tmp_path / "dump"), "lr": 0.5},
@@ -292,7 +259,7 @@ def test_overlapped_param_gather_serves_and_saves_the_updated_weights(tmp_path, 
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
     states = [
         run_workers(
-            f"{HERE}:full_params",
+            f"{WORKERS}:full_params",
             1,
             timeout=200,
             kwargs={

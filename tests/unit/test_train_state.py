@@ -26,3 +26,14 @@ def test_a_pointer_to_an_incomplete_checkpoint_is_named(tmp_path):
     (tmp_path / "checkpoints" / "latest").write_text("step_00000003")
     with pytest.raises(FileNotFoundError, match="names step_00000003, which is not a complete"):
         latest_checkpoint(tmp_path)
+
+
+def test_saves_cut_short_are_removed_and_complete_ones_kept(tmp_path):
+    from megatron_grpo.train.state import checkpoints_dir, remove_partial_saves
+
+    root = checkpoints_dir(tmp_path)
+    for name in ("step_00000001", "step_00000002.partial"):
+        (root / name).mkdir(parents=True)
+        (root / name / "shard").write_text("x")
+    assert [p.name for p in remove_partial_saves(tmp_path)] == ["step_00000002.partial"]
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000001"]
