@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from megatron_grpo.config import Config, ModelConfig, ParallelDims
 from megatron_grpo.config.hf import head_dim, query_groups
 from megatron_grpo.convert.sharding import chunk_layer_range
+from megatron_grpo.train.preflight import check_layout
 
 GIB = 1 << 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -409,23 +410,7 @@ def dry_run(
     that is valid but too big comes back with ``fits`` False.
     """
     m, dims = cfg.model, cfg.parallel
-    dp = dims.data_parallel_size(world_size)
-    dims.validate_model(
-        num_layers=m.num_layers,
-        num_attention_heads=m.num_attention_heads,
-        num_query_groups=query_groups(m),
-    )
-    if m.ffn_hidden_size % dims.tp:
-        raise ValueError(
-            f"model.ffn_hidden_size={m.ffn_hidden_size} is not divisible by TP={dims.tp}"
-        )
-    gbs = (
-        cfg.train.global_batch_size or cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
-    )
-    if gbs < dp:
-        raise ValueError(
-            f"train.global_batch_size={gbs} is below DP={dp}: every DP rank needs a sample"
-        )
+    dp = check_layout(cfg, world_size)
     if gpu_memory_gb <= 0:
         raise ValueError(f"--gpu-memory-gb must be positive, got {gpu_memory_gb}")
     params = stage_params(m, dims)

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 from megatron_grpo.config import Config
 from megatron_grpo.config.hf import query_groups
-from megatron_grpo.train import sources
 
 
-def preflight(cfg: Config, world_size: int) -> None:
+def check_layout(cfg: Config, world_size: int) -> int:
+    """The data-parallel size of ``cfg`` on ``world_size`` processes; a ValueError names what
+    does not divide (world size, layers, heads, query groups, FFN width) or a global batch
+    smaller than DP."""
     m, dims = cfg.model, cfg.parallel
     dp = dims.data_parallel_size(world_size)
     dims.validate_model(
@@ -24,21 +26,26 @@ def preflight(cfg: Config, world_size: int) -> None:
     )
     if m.ffn_hidden_size % dims.tp:
         raise ValueError(
-            f"model.ffn_hidden_size={m.ffn_hidden_size} is not divisible by parallel.tp={dims.tp}"
+            f"model.ffn_hidden_size={m.ffn_hidden_size} is not divisible by TP={dims.tp}"
         )
     batch = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
     gbs = cfg.train.global_batch_size or batch
     if gbs < dp:
         raise ValueError(
-            f"train.global_batch_size={gbs} is below DP={dp} ({world_size} processes / "
-            f"TP x PP x CP): every DP rank needs a sample"
+            f"train.global_batch_size={gbs} is below DP={dp}: every DP rank needs a sample"
         )
+    return dp
+
+
+def preflight(cfg: Config, world_size: int) -> None:
+    check_layout(cfg, world_size)
     if cfg.rollout.replay_dir is not None:
         return
     from transformers import AutoTokenizer
 
     from megatron_grpo.data import PromptDataset
     from megatron_grpo.rewards import RewardScorer
+    from megatron_grpo.train import sources
 
     path = sources.tokenizer_path(cfg)
     try:
