@@ -411,3 +411,34 @@ def test_attaching_waits_for_a_server_that_is_still_starting(tmp_path):
         for process in started:
             process.kill()
             process.wait()
+
+
+def test_ctrl_c_during_a_generation_aborts_it_on_the_server(tmp_path):
+    """SIGINT while the server is generating: KeyboardInterrupt reaches the caller, and the
+    requests in flight have been cancelled and aborted on the server by then."""
+    import signal
+
+    from megatron_grpo.rollout.runtime import RolloutRuntime
+
+    aborts = tmp_path / "aborts.jsonl"
+    cfg = RolloutConfig(
+        engine="sglang",
+        launch_command=f"{FAKE} --host {{host}} --port {{port}} --abort-log {aborts}",
+        server_log_dir=str(tmp_path / "logs"),
+        prompts_per_step=1,
+        samples_per_prompt=2,
+        request_timeout_s=60.0,
+    )
+    runtime = RolloutRuntime(cfg, model_path="/some/model")
+    # To this (the main) thread, as a terminal's Ctrl-C would: it interrupts the event loop.
+    main = threading.main_thread().ident
+    interrupt = threading.Timer(1.0, signal.pthread_kill, args=(main, signal.SIGINT))
+    try:
+        interrupt.start()
+        with pytest.raises(KeyboardInterrupt):
+            runtime.generate_groups([[1, 2, 3]], cfg, seed=0, stop_token_ids=[])
+        rids = {json.loads(line)["rid"] for line in aborts.read_text().splitlines()}
+        assert len(rids) == 2
+    finally:
+        interrupt.join()
+        runtime.close()
