@@ -65,7 +65,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from megatron_grpo.launch import die_with_parent
     from megatron_grpo.train.loop import train
 
-    die_with_parent()
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker: end with torchrun
+        die_with_parent()
     train(cfg)
     return 0
 
