@@ -91,7 +91,8 @@ class SGLangClient:
 
     def __init__(self, config: ClientConfig) -> None:
         self.config = config
-        self._urls = tuple(url.rstrip("/") for url in config.urls)
+        self.all_urls = tuple(url.rstrip("/") for url in config.urls)
+        self._urls = self.all_urls
         self._next_url = itertools.cycle(range(len(self._urls)))
         self._retry = http.RetryPolicy(
             max_retries=config.max_retries,
@@ -105,7 +106,17 @@ class SGLangClient:
 
     @property
     def urls(self) -> tuple[str, ...]:
+        """The servers in use: all of ``config.urls`` unless ``use_only`` left some out."""
         return self._urls
+
+    def use_only(self, urls: Sequence[str]) -> None:
+        """Generate on, and send control and weight calls to, only ``urls`` (some of
+        ``config.urls``, in their order) from now on."""
+        wanted = set(urls)
+        if not wanted or not wanted <= set(self.all_urls):
+            raise ValueError(f"use_only needs some of {self.all_urls}, got {list(urls)}")
+        self._urls = tuple(u for u in self.all_urls if u in wanted)
+        self._next_url = itertools.cycle(range(len(self._urls)))
 
     async def __aenter__(self) -> SGLangClient:
         # No connection limit here: the semaphore bounds /generate, and an abort

@@ -10,6 +10,13 @@ It owns one event loop for the clients' whole life (aiohttp sessions are
 bound to the loop that made them), and offers the two things the training
 loop does with the engines: generate groups of completions, and push new
 weights.
+
+SGLang engines that stop answering are dropped: before each rollout, those that fail
+``/health``; during a weight push, those that fail it and no longer answer. The step goes
+on with the others (a generation request that fails is retried on the next engine). A
+dropped engine that answers ``/health`` again is taken back at the next push, which
+gives it the current weights. With no engine left the run stops with an error that says
+so: an engine that comes back holds old weights, and only a push can fix that.
 """
 
 from __future__ import annotations
@@ -83,6 +90,8 @@ class RolloutRuntime:
         except BaseException:
             self._stop_engines()
             raise
+        self.dropped: list[str] = []
+        """Engines out of use since they stopped answering."""
 
     def generate_groups(
         self, prompts: list[list[int]], cfg: RolloutConfig, *, seed: int, stop_token_ids: list[int]
@@ -102,6 +111,7 @@ class RolloutRuntime:
                 seed=seed,
             ),
         )
+        self._drop_silent_engines("before a rollout")
         task = self.loop.create_task(self.client.generate(request))
         try:
             flat = self.loop.run_until_complete(task)
@@ -120,7 +130,21 @@ class RolloutRuntime:
     def push_weights(
         self, named: Mapping[str, torch.Tensor], *, weight_version: str, **kwargs
     ) -> None:
-        """Send HF-named weights to every server (``kwargs``: see ``weight_sync.push``)."""
+        """Send HF-named weights to every engine in use (``kwargs``: see ``weight_sync.push``);
+        engines that answer again are taken back first, engines that fail it and no longer
+        answer are dropped and the push is repeated on the others."""
+        from megatron_grpo.rollout.errors import RolloutError
+
+        self._take_back_engines()
+        while True:
+            try:
+                self._push(named, weight_version=weight_version, **kwargs)
+                return
+            except RolloutError as err:
+                if not self._drop_silent_engines(f"weight update failed: {err}"):
+                    raise
+
+    def _push(self, named: Mapping[str, torch.Tensor], *, weight_version: str, **kwargs) -> None:
         from megatron_grpo.mcore import device
         from megatron_grpo.rollout import weight_sync
 
@@ -150,6 +174,55 @@ class RolloutRuntime:
         finally:
             if self._update_group is not None and self._update_group.broken:
                 self._close_update_group()  # the next push opens a fresh one
+
+    # ---- engines that stop answering ----
+
+    def _answers(self, url: str) -> bool:
+        from megatron_grpo.rollout.servers import http_ok
+
+        return http_ok(f"{url}/health", timeout_s=self.weight_client.config.control_timeout_s)
+
+    def _drop_silent_engines(self, why: str) -> list[str]:
+        """Stop using the SGLang engines that do not answer ``/health``; the ones dropped."""
+        from megatron_grpo.rollout.errors import ServerUnavailableError
+
+        if self.cfg.engine != "sglang":
+            return []
+        silent = [u for u in self.weight_client.urls if not self._answers(u)]
+        if not silent:
+            return []
+        left = [u for u in self.weight_client.urls if u not in silent]
+        if not left:
+            raise ServerUnavailableError(
+                f"every rollout engine stopped answering ({', '.join(silent)}; {why}); restart "
+                "them and resume the run from its last checkpoint"
+            )
+        logger.warning(
+            "dropping rollout engine(s) %s, which stopped answering (%s); going on with %d",
+            ", ".join(silent),
+            why,
+            len(left),
+        )
+        self.dropped += silent
+        self._use(left)
+        return silent
+
+    def _take_back_engines(self) -> None:
+        """Use again the dropped engines that answer ``/health`` (the push to come gives them
+        the current weights)."""
+        back = [u for u in self.dropped if self._answers(u)]
+        if not back:
+            return
+        logger.warning("taking back rollout engine(s) %s, which answer again", ", ".join(back))
+        self.dropped = [u for u in self.dropped if u not in back]
+        self._use([*self.weight_client.urls, *back])
+
+    def _use(self, urls: list[str]) -> None:
+        # Generation too, unless a router stands in front of the engines (it routes around
+        # silent ones itself).
+        self.weight_client.use_only(urls)
+        if self._update_group is not None:  # its members changed: the next push opens one
+            self._close_update_group()
 
     def _close_update_group(self) -> None:
         from megatron_grpo.rollout import weight_sync

@@ -220,7 +220,7 @@ def _wait_ready(servers: Sequence[ServerProcess], timeout_s: float) -> None:
                     f"server {server.index} ({server.url}) exited with code {code} before it "
                     f"was ready; last lines of {server.log_path}:\n{server.log_tail()}"
                 )
-            if _http_ok(f"{server.url}/health_generate", timeout_s=10.0):
+            if http_ok(f"{server.url}/health_generate", timeout_s=10.0):
                 logger.info("server %d ready at %s", server.index, server.url)
                 waiting.remove(server)
         if waiting and time.monotonic() > deadline:
@@ -350,7 +350,7 @@ def attach_servers(
     urls = tuple(u.rstrip("/") for u in urls)
     deadline = time.monotonic() + timeout_s
     for url in urls:
-        while not _http_ok(f"{url}/health", timeout_s=min(10.0, timeout_s)):
+        while not http_ok(f"{url}/health", timeout_s=min(10.0, timeout_s)):
             if time.monotonic() > deadline:
                 raise ServerStartError(
                     f"no server answers {url}/health after {timeout_s:g} s "
@@ -374,7 +374,8 @@ def _http_json(method: str, url: str, body: Any = None, timeout_s: float = 30.0)
         return reply.status, reply.text
 
 
-def _http_ok(url: str, *, timeout_s: float) -> bool:
+def http_ok(url: str, *, timeout_s: float) -> bool:
+    """Whether ``url`` answers a GET with 200 within ``timeout_s``."""
     try:
         reply = http.run_sync(http.request("GET", url, timeout_s=timeout_s))
     except http.RequestError:  # refused, reset or timed out while loading

@@ -442,3 +442,63 @@ def test_ctrl_c_during_a_generation_aborts_it_on_the_server(tmp_path):
     finally:
         interrupt.join()
         runtime.close()
+
+
+def test_a_dead_engine_is_dropped_and_taken_back_once_it_answers(tmp_path):
+    """Two engines (embedded servers attached as SGLang engines, weights by disk). One is
+    stopped: the next push drops it and the rollouts go on, complete, on the other. Started
+    again on its port, it is taken back at the next push, which gives it the weights. With
+    every engine stopped, the push fails saying so."""
+    from megatron_grpo.config.hf import model_config_from_hf
+    from megatron_grpo.rollout.embedded.server import start_embedded_server
+    from megatron_grpo.rollout.errors import ServerUnavailableError
+    from megatron_grpo.rollout.runtime import RolloutRuntime
+    from megatron_grpo.testing import random_hf_model, tiny_hf_config
+
+    hf_config = tiny_hf_config("qwen2")
+    model = random_hf_model(hf_config, seed=0)
+    model_cfg = model_config_from_hf(hf_config)
+    named = dict(model.state_dict())
+    engines = [start_embedded_server(model, seed=0) for _ in range(2)]
+    cfg = RolloutConfig(
+        engine="sglang",
+        urls=[e.url for e in engines],
+        sync_method="disk",
+        prompts_per_step=2,
+        samples_per_prompt=2,
+        max_new_tokens=4,
+        control_timeout_s=5.0,
+    )
+    runtime = RolloutRuntime(cfg)
+    prompts = [[1, 2, 3], [4, 5]]
+
+    def push(version: str) -> None:
+        runtime.push_weights(named, weight_version=version, model_cfg=model_cfg, family="qwen2")
+
+    def rollout() -> list:
+        groups = runtime.generate_groups(prompts, cfg, seed=0, stop_token_ids=[])
+        return [s for g in groups for s in g]
+
+    try:
+        assert len(rollout()) == 4
+        engines[1].stop()
+        push("1")
+        assert runtime.dropped == [engines[1].url] and runtime.client.urls == (engines[0].url,)
+        samples = rollout()
+        assert len(samples) == 4 and {s.weight_version for s in samples} == {"1"}
+
+        port = int(engines[1].url.rsplit(":", 1)[1])
+        engines[1] = start_embedded_server(model, port=port, seed=0, weight_version="stale")
+        push("2")
+        assert runtime.dropped == [] and runtime.client.urls == tuple(e.url for e in engines)
+        assert all(e.engine.weight_version == "2" for e in engines)
+        assert {s.weight_version for s in rollout()} == {"2"}
+
+        for engine in engines:
+            engine.stop()
+        with pytest.raises(ServerUnavailableError, match="every rollout engine stopped"):
+            push("3")
+    finally:
+        for engine in engines:
+            engine.stop()
+        runtime.close()
