@@ -15,8 +15,10 @@ SGLang engines that stop answering are dropped: before each rollout, those that 
 ``/health``; during a weight push, those that fail it and no longer answer. The step goes
 on with the others (a generation request that fails is retried on the next engine). A
 dropped engine that answers ``/health`` again is taken back at the next push, which
-gives it the current weights. With no engine left the run stops with an error that says
-so: an engine that comes back holds old weights, and only a push can fix that.
+gives it the current weights. With no engine left during a push, the push waits up to
+``server_startup_timeout_s`` for one to come back; before a rollout, or past that, the run
+stops with an error that says so (an engine that comes back holds old weights, and only a
+push can replace them).
 """
 
 from __future__ import annotations
@@ -141,7 +143,7 @@ class RolloutRuntime:
                 self._push(named, weight_version=weight_version, **kwargs)
                 return
             except RolloutError as err:
-                if not self._drop_silent_engines(f"weight update failed: {err}"):
+                if not self._drop_silent_engines(f"weight update failed: {err}", wait=True):
                     raise
 
     def _push(self, named: Mapping[str, torch.Tensor], *, weight_version: str, **kwargs) -> None:
@@ -182,8 +184,11 @@ class RolloutRuntime:
 
         return http_ok(f"{url}/health", timeout_s=self.weight_client.config.control_timeout_s)
 
-    def _drop_silent_engines(self, why: str) -> list[str]:
-        """Stop using the SGLang engines that do not answer ``/health``; the ones dropped."""
+    def _drop_silent_engines(self, why: str, *, wait: bool = False) -> list[str]:
+        """Stop using the SGLang engines that do not answer ``/health``; the ones dropped.
+
+        When none is left: with ``wait`` (a push, which can give a returning engine the
+        weights), wait up to ``server_startup_timeout_s`` for one to answer; else stop."""
         from megatron_grpo.rollout.errors import ServerUnavailableError
 
         if self.cfg.engine != "sglang":
@@ -192,6 +197,9 @@ class RolloutRuntime:
         if not silent:
             return []
         left = [u for u in self.weight_client.urls if u not in silent]
+        if not left and wait:
+            left = self._wait_for_an_engine()
+            silent = [u for u in self.weight_client.all_urls if u not in left]
         if not left:
             raise ServerUnavailableError(
                 f"every rollout engine stopped answering ({', '.join(silent)}; {why}); restart "
@@ -203,9 +211,26 @@ class RolloutRuntime:
             why,
             len(left),
         )
-        self.dropped += silent
+        self.dropped = sorted(set(self.dropped) | set(silent))
         self._use(left)
         return silent
+
+    def _wait_for_an_engine(self) -> list[str]:
+        """The engines that answer within ``server_startup_timeout_s``; [] if none does."""
+        import time
+
+        deadline = time.monotonic() + self.cfg.server_startup_timeout_s
+        logger.warning(
+            "every rollout engine stopped answering; waiting up to %g s "
+            "(rollout.server_startup_timeout_s) for one to come back",
+            self.cfg.server_startup_timeout_s,
+        )
+        while time.monotonic() < deadline:
+            back = [u for u in self.weight_client.all_urls if self._answers(u)]
+            if back:
+                return back
+            time.sleep(1.0)
+        return []
 
     def _take_back_engines(self) -> None:
         """Use again the dropped engines that answer ``/health`` (the push to come gives them

@@ -448,7 +448,8 @@ def test_a_dead_engine_is_dropped_and_taken_back_once_it_answers(tmp_path):
     """Two engines (embedded servers attached as SGLang engines, weights by disk). One is
     stopped: the next push drops it and the rollouts go on, complete, on the other. Started
     again on its port, it is taken back at the next push, which gives it the weights. With
-    every engine stopped, the push fails saying so."""
+    every engine stopped, a push waits for one to come back, and fails saying so when none
+    does."""
     from megatron_grpo.config.hf import model_config_from_hf
     from megatron_grpo.rollout.embedded.server import start_embedded_server
     from megatron_grpo.rollout.errors import ServerUnavailableError
@@ -468,6 +469,7 @@ def test_a_dead_engine_is_dropped_and_taken_back_once_it_answers(tmp_path):
         samples_per_prompt=2,
         max_new_tokens=4,
         control_timeout_s=5.0,
+        server_startup_timeout_s=8.0,
     )
     runtime = RolloutRuntime(cfg)
     prompts = [[1, 2, 3], [4, 5]]
@@ -494,10 +496,23 @@ def test_a_dead_engine_is_dropped_and_taken_back_once_it_answers(tmp_path):
         assert all(e.engine.weight_version == "2" for e in engines)
         assert {s.weight_version for s in rollout()} == {"2"}
 
+        # Every engine stopped: the push waits for one to come back and gives it the weights.
         for engine in engines:
             engine.stop()
+        ports = [int(e.url.rsplit(":", 1)[1]) for e in engines]
+
+        def restart_first() -> None:
+            engines[0] = start_embedded_server(model, port=ports[0], seed=0)
+
+        later = threading.Timer(2.0, restart_first)
+        later.start()
+        push("3")
+        later.join()
+        assert runtime.dropped == [engines[1].url] and engines[0].engine.weight_version == "3"
+        # ... and gives up after server_startup_timeout_s when none does.
+        engines[0].stop()
         with pytest.raises(ServerUnavailableError, match="every rollout engine stopped"):
-            push("3")
+            push("4")
     finally:
         for engine in engines:
             engine.stop()
