@@ -65,7 +65,7 @@ def worker(*, tp: int, pp: int, model_cfg, family: str, repeats: int, warmup: in
     from megatron_grpo.mcore.model import build_model
     from megatron_grpo.mcore.parallel import init_parallel
     from megatron_grpo.rollout import weight_sync
-    from megatron_grpo.rollout.embedded.weights import tensor_update_payload
+    from megatron_grpo.rollout.embedded.weights import tensor_update
 
     ctx = init_parallel(ParallelDims(tp=tp, pp=pp))
     model = build_model(model_cfg, ctx, wrap_ddp=False)
@@ -86,7 +86,7 @@ def worker(*, tp: int, pp: int, model_cfg, family: str, repeats: int, warmup: in
         {
             "push": push,
             "safetensors": on_main(lambda: safetensors.torch.save(plain)),
-            "serialize_only": on_main(lambda: tensor_update_payload(plain, weight_version="x")),
+            "serialize_only": on_main(lambda: tensor_update(plain, weight_version="x")),
         },
         repeats=repeats,
         warmup=warmup,

@@ -112,7 +112,8 @@ async def request(
     session: aiohttp.ClientSession | None = None,
     json_default: Callable[[Any], Any] | None = None,
 ) -> Reply:
-    """One attempt at ``method url`` with ``body`` sent as JSON: the answer, whatever its status.
+    """One attempt at ``method url`` with ``body`` sent as JSON (``bytes`` as they are, an
+    ``application/octet-stream``): the answer, whatever its status.
 
     ``timeout_s`` bounds the whole exchange, ``connect_timeout_s`` opening the
     connection. ``json_default`` encodes values JSON has no type for. Without
@@ -130,8 +131,13 @@ async def request(
                 json_default=json_default,
             )
     timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=connect_timeout_s)
-    data = None if body is None else json.dumps(body, default=json_default).encode()
-    headers = None if body is None else {"Content-Type": "application/json"}
+    data: bytes | None = None
+    headers = None
+    if isinstance(body, bytes):
+        data, headers = body, {"Content-Type": "application/octet-stream"}
+    elif body is not None:
+        data = json.dumps(body, default=json_default).encode()
+        headers = {"Content-Type": "application/json"}
     try:
         async with session.request(
             method, url, data=data, headers=headers, timeout=timeout

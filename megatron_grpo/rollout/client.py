@@ -18,7 +18,7 @@ import asyncio
 import itertools
 import logging
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -297,8 +297,17 @@ class SGLangClient:
             body["load_format"] = load_format
         await self._fan_out("POST", "/update_weights_from_disk", body, weight_update=True)
 
-    async def update_weights_from_tensor(self, payload: Mapping[str, Any], *, url: str) -> None:
-        """Send an already built ``/update_weights_from_tensor`` body to one server."""
+    async def update_weights_from_tensor(self, payload: Any, *, url: str) -> None:
+        """Send an already built ``/update_weights_from_tensor`` request to one server: a
+        JSON body (SGLang's) or the embedded server's ``TensorUpdate``."""
+        from urllib.parse import urlencode
+
+        from megatron_grpo.rollout.embedded.weights import TensorUpdate
+
+        if isinstance(payload, TensorUpdate):
+            path = f"/update_weights_from_tensor?{urlencode(payload.query)}"
+            await self._call("POST", url, path, payload.body, weight_update=True)
+            return
         await self._call(
             "POST", url, "/update_weights_from_tensor", dict(payload), weight_update=True
         )
@@ -390,7 +399,7 @@ class SGLangClient:
         method: str,
         url: str,
         path: str,
-        body: dict[str, Any] | None = None,
+        body: dict[str, Any] | bytes | None = None,
         *,
         weight_update: bool = False,
     ) -> Any:

@@ -22,7 +22,7 @@ import tempfile
 import uuid
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -108,7 +108,7 @@ async def _push_tensors(
     client, named: Mapping[str, torch.Tensor], weight_version: str, bucket_bytes: int, fmt: str
 ) -> None:
     from megatron_grpo.rollout import sglang_weights
-    from megatron_grpo.rollout.embedded.weights import tensor_update_payload
+    from megatron_grpo.rollout.embedded.weights import tensor_update
 
     tp_sizes = await server_tp_sizes(client) if fmt == "sglang" else {}
     await client.begin_weight_update()
@@ -117,15 +117,15 @@ async def _push_tensors(
             if fmt == "sglang":
                 # Kept referenced here until every server has answered (shared memory).
                 shared = sglang_weights.shared_copies(bucket)
-                payloads = {
+                payloads: dict[str, Any] = {
                     url: sglang_weights.sglang_tensor_payload(
                         shared, tp_size=tp_sizes[url], weight_version=weight_version
                     )
                     for url in client.urls
                 }
             elif fmt == "embedded":
-                payload = tensor_update_payload(bucket, weight_version=weight_version)
-                payloads = dict.fromkeys(client.urls, payload)
+                update = tensor_update(bucket, weight_version=weight_version)
+                payloads = dict.fromkeys(client.urls, update)
             else:
                 raise ValueError(f"unknown tensor format {fmt!r}; expected embedded or sglang")
             await asyncio.gather(

@@ -17,7 +17,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from megatron_grpo.rollout.client import ClientConfig, SGLangClient
 from megatron_grpo.rollout.embedded.server import start_embedded_server
-from megatron_grpo.rollout.embedded.weights import tensor_update_payload
+from megatron_grpo.rollout.embedded.weights import tensor_update
 from megatron_grpo.rollout.errors import RolloutBatchError, RolloutHTTPError
 from megatron_grpo.rollout.types import FinishReason, RolloutRequest, SamplingParams
 from megatron_grpo.testing import sglang_contract as contract
@@ -401,16 +401,18 @@ def test_update_weights_from_disk_changes_outputs_and_version(own_server, tmp_pa
 
 def test_update_weights_from_tensor_inside_a_session(own_server, model):
     new_model = tiny_qwen2(seed=2)
-    payload = tensor_update_payload(new_model.state_dict(), weight_version="3")
+    payload = tensor_update(new_model.state_dict(), weight_version="3")
 
     async def scenario():
         async with SGLangClient(ClientConfig(urls=(own_server.url,))) as client:
             with pytest.raises(RolloutHTTPError, match="between begin_weight_update"):
                 await client.update_weights_from_tensor(payload, url=own_server.url)
             await client.begin_weight_update()
-            bad = tensor_update_payload({"no.such.weight": torch.zeros(1)}, weight_version="x")
+            bad = tensor_update({"no.such.weight": torch.zeros(1)}, weight_version="x")
             with pytest.raises(RolloutHTTPError, match="no such weights"):
                 await client.update_weights_from_tensor(bad, url=own_server.url)
+            with pytest.raises(RolloutHTTPError, match="takes the tensors as a safetensors body"):
+                await client.update_weights_from_tensor({"weight_version": "x"}, url=own_server.url)
             await client.update_weights_from_tensor(payload, url=own_server.url)
             await client.end_weight_update()
             return await client.generate(RolloutRequest(prompts=PROMPTS, sampling=GREEDY))

@@ -11,8 +11,8 @@ Differences from SGLang worth knowing:
 - no prefix cache (``/flush_cache`` succeeds and does nothing), no streaming,
   no prompt or top-k logprobs, no string stops or grammar constraints: such
   requests get HTTP 400 rather than a silently different answer;
-- ``/update_weights_from_tensor`` takes the project's serialization
-  (``weights.py``), and the distributed (NCCL/gloo) update is not served;
+- ``/update_weights_from_tensor`` takes a safetensors body (``weights.py``), and the
+  distributed (NCCL/gloo) update is not served;
 - ``/health_generate`` answers 200 while paused instead of timing out.
 
 ``start_embedded_server`` runs it on a background thread with its own event loop.
@@ -42,7 +42,7 @@ from megatron_grpo.rollout.embedded.protocol import (
     parse_generate_body,
 )
 from megatron_grpo.rollout.embedded.weights import (
-    EMBEDDED_TENSOR_FORMAT,
+    TENSOR_CONTENT_TYPE,
     copy_into_model,
     deserialize_named_tensors,
     load_hf_model,
@@ -250,28 +250,27 @@ class _Server:
         )
 
     async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
-        body = await _json_object(request)
         if not self.weight_session_open:
             return _outcome(
                 False,
                 "update_weights_from_tensor must run between begin_weight_update() "
                 "and end_weight_update()",
             )
-        if body.get("load_format") != EMBEDDED_TENSOR_FORMAT:
+        if request.content_type != TENSOR_CONTENT_TYPE:
             return _outcome(
                 False,
-                f"the embedded server reads only load_format={EMBEDDED_TENSOR_FORMAT!r} "
-                "(megatron_grpo.rollout.embedded.weights.tensor_update_payload), "
-                f"got {body.get('load_format')!r}",
+                f"the embedded server takes the tensors as a safetensors body "
+                f"(Content-Type {TENSOR_CONTENT_TYPE}; see "
+                "megatron_grpo.rollout.embedded.weights.tensor_update), "
+                f"got Content-Type {request.content_type}",
             )
-        entries = body.get("serialized_named_tensors")
-        if not isinstance(entries, list) or len(entries) != 1 or not isinstance(entries[0], str):
-            return _outcome(False, "serialized_named_tensors must hold one entry (TP size 1)")
+        blob = await request.read()
         loop = asyncio.get_running_loop()
         try:
-            named = await loop.run_in_executor(None, deserialize_named_tensors, entries[0])
+            named = await loop.run_in_executor(None, deserialize_named_tensors, blob)
             apply = functools.partial(copy_into_model, named_tensors=named, require_all=False)
-            await loop.run_in_executor(None, self._update, apply, body.get("weight_version"))
+            version = request.query.get("weight_version")
+            await loop.run_in_executor(None, self._update, apply, version)
         except (ValueError, TimeoutError) as err:
             return _outcome(False, f"Failed to update weights from tensors: {err}")
         return _outcome(True, "Success")

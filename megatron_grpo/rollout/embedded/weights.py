@@ -1,19 +1,17 @@
 """Weights into the embedded server: from a Hugging Face directory or from named tensors.
 
-``/update_weights_from_tensor`` on the embedded server takes SGLang's request
-fields, with the tensors in the project's own serialization: one safetensors
-blob of ``{hf_name: tensor}``, base64-encoded, per entry of
-``serialized_named_tensors``, and ``load_format`` set to
-``EMBEDDED_TENSOR_FORMAT``. SGLang's own format (pickled
-``MultiprocessingSerializer`` handles) is refused: unpickling what a client
-sends is not something an HTTP server should do.
+``/update_weights_from_tensor`` on the embedded server takes the tensors as the
+request body itself: one safetensors blob of ``{hf_name: tensor}`` (Content-Type
+``application/octet-stream``), with ``weight_version`` and ``flush_cache`` as query
+parameters; no base64, no JSON around megabytes of weights. SGLang's own format
+(pickled ``MultiprocessingSerializer`` handles in JSON) is refused: unpickling what a
+client sends is not something an HTTP server should do.
 """
 
 from __future__ import annotations
 
-import base64
 from collections.abc import Mapping
-from typing import Any
+from dataclasses import dataclass
 
 import safetensors.torch
 import torch
@@ -22,35 +20,49 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from megatron_grpo.config import ModelConfig
 from megatron_grpo.convert.hf_config import hf_config_from_model_config
 
-EMBEDDED_TENSOR_FORMAT = "megatron_grpo_safetensors_base64"
+TENSOR_CONTENT_TYPE = "application/octet-stream"
 
 
-def serialize_named_tensors(named_tensors: Mapping[str, torch.Tensor]) -> str:
-    """Tensors to one base64 string (copies, so tied or strided tensors are fine)."""
-    plain = {name: t.detach().to("cpu").contiguous().clone() for name, t in named_tensors.items()}
-    return base64.b64encode(safetensors.torch.save(plain)).decode("ascii")
+@dataclass(frozen=True)
+class TensorUpdate:
+    """A ``/update_weights_from_tensor`` request for the embedded server (one TP rank)."""
+
+    body: bytes
+    """The tensors, one safetensors blob."""
+    query: dict[str, str]
+    """``weight_version`` and ``flush_cache``."""
 
 
-def deserialize_named_tensors(data: str) -> dict[str, torch.Tensor]:
+def serialize_named_tensors(named_tensors: Mapping[str, torch.Tensor]) -> bytes:
+    """Tensors to one safetensors blob. Only tensors that share memory with one already
+    taken (tied embeddings) or are not contiguous are copied first."""
+    plain: dict[str, torch.Tensor] = {}
+    storages: set[int] = set()
+    for name, t in named_tensors.items():
+        t = t.detach().to("cpu")
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in storages or not t.is_contiguous():
+            t = t.contiguous().clone()
+        storages.add(t.untyped_storage().data_ptr())
+        plain[name] = t
+    return safetensors.torch.save(plain)
+
+
+def deserialize_named_tensors(blob: bytes) -> dict[str, torch.Tensor]:
     try:
-        blob = base64.b64decode(data, validate=True)
         return safetensors.torch.load(blob)
-    except Exception as err:  # binascii and safetensors raise several types
-        raise ValueError(
-            f"serialized_named_tensors entry is not base64 safetensors: {err}"
-        ) from err
+    except Exception as err:  # safetensors raises several types
+        raise ValueError(f"the request body is not a safetensors blob: {err}") from err
 
 
-def tensor_update_payload(
+def tensor_update(
     named_tensors: Mapping[str, torch.Tensor], *, weight_version: str, flush_cache: bool = True
-) -> dict[str, Any]:
-    """A ``/update_weights_from_tensor`` body for the embedded server (one TP rank)."""
-    return {
-        "serialized_named_tensors": [serialize_named_tensors(named_tensors)],
-        "load_format": EMBEDDED_TENSOR_FORMAT,
-        "flush_cache": flush_cache,
-        "weight_version": weight_version,
-    }
+) -> TensorUpdate:
+    """The request that loads ``named_tensors`` into the embedded server."""
+    return TensorUpdate(
+        body=serialize_named_tensors(named_tensors),
+        query={"weight_version": weight_version, "flush_cache": str(flush_cache).lower()},
+    )
 
 
 def load_hf_model(model_path: str) -> PreTrainedModel:
