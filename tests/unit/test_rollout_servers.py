@@ -360,11 +360,9 @@ def test_rollout_config_checks_the_server_fields(kwargs, message):
         RolloutConfig(**kwargs)
 
 
-def test_a_hung_generation_is_aborted_on_its_server_before_the_error_returns(tmp_path):
-    """The server never answers /generate: after request_timeout_s the runtime raises, and
-    by then every sample's /abort_request has reached the server (not left to a task that
-    dies with the event loop)."""
-    from megatron_grpo.rollout.errors import RolloutBatchError
+def engine_that_hangs(tmp_path, *, request_timeout_s: float):
+    """A runtime on one fake engine that never answers /generate and logs each
+    /abort_request to the returned file; (runtime, config, abort log)."""
     from megatron_grpo.rollout.runtime import RolloutRuntime
 
     aborts = tmp_path / "aborts.jsonl"
@@ -374,9 +372,18 @@ def test_a_hung_generation_is_aborted_on_its_server_before_the_error_returns(tmp
         server_log_dir=str(tmp_path / "logs"),
         prompts_per_step=1,
         samples_per_prompt=2,
-        request_timeout_s=1.0,
+        request_timeout_s=request_timeout_s,
     )
-    runtime = RolloutRuntime(cfg, model_path="/some/model")
+    return RolloutRuntime(cfg, model_path="/some/model"), cfg, aborts
+
+
+def test_a_hung_generation_is_aborted_on_its_server_before_the_error_returns(tmp_path):
+    """The server never answers /generate: after request_timeout_s the runtime raises, and
+    by then every sample's /abort_request has reached the server (not left to a task that
+    dies with the event loop)."""
+    from megatron_grpo.rollout.errors import RolloutBatchError
+
+    runtime, cfg, aborts = engine_that_hangs(tmp_path, request_timeout_s=1.0)
     try:
         with pytest.raises(RolloutBatchError) as e:
             runtime.generate_groups([[1, 2, 3]], cfg, seed=0, stop_token_ids=[])
@@ -418,18 +425,7 @@ def test_ctrl_c_during_a_generation_aborts_it_on_the_server(tmp_path):
     requests in flight have been cancelled and aborted on the server by then."""
     import signal
 
-    from megatron_grpo.rollout.runtime import RolloutRuntime
-
-    aborts = tmp_path / "aborts.jsonl"
-    cfg = RolloutConfig(
-        engine="sglang",
-        launch_command=f"{FAKE} --host {{host}} --port {{port}} --abort-log {aborts}",
-        server_log_dir=str(tmp_path / "logs"),
-        prompts_per_step=1,
-        samples_per_prompt=2,
-        request_timeout_s=60.0,
-    )
-    runtime = RolloutRuntime(cfg, model_path="/some/model")
+    runtime, cfg, aborts = engine_that_hangs(tmp_path, request_timeout_s=60.0)
     # To this (the main) thread, as a terminal's Ctrl-C would: it interrupts the event loop.
     main = threading.main_thread().ident
     interrupt = threading.Timer(1.0, signal.pthread_kill, args=(main, signal.SIGINT))
