@@ -110,13 +110,7 @@ def _train(cfg: Config, ctx) -> None:
             if rollout is not None:
                 rollout.sync(model, step)
             t3 = time.perf_counter()
-            num_tokens = sum(len(s) for s in batch.samples)
-            perf = {
-                "time_rollout_s": t1 - t0,
-                "time_train_s": t2 - t1,
-                "time_sync_s": t3 - t2,
-                "train_tokens_per_s": num_tokens * settings.num_iterations / max(t2 - t1, 1e-9),
-            }
+            perf = _perf(batch.samples, settings, t0, t1, t2, t3)
             logger.log(
                 step,
                 {
@@ -127,21 +121,29 @@ def _train(cfg: Config, ctx) -> None:
             )
             last = step == cfg.train.total_steps
             if last or (cfg.train.save_interval and step % cfg.train.save_interval == 0):
+                extra = broadcast_object(rollout.state() if rollout else {}, ctx)
                 train_state.save(
-                    out,
-                    step,
-                    model=model,
-                    optimizer=optimizer,
-                    scheduler=scheduler,
-                    ctx=ctx,
-                    extra=broadcast_object(rollout.state() if rollout else {}, ctx),
-                    keep_last=cfg.train.keep_last,
-                )
+                    out, step, model=model, optimizer=optimizer, scheduler=scheduler, ctx=ctx,
+                    extra=extra, keep_last=cfg.train.keep_last,
+                )  # fmt: skip
     except BaseException:  # the engines stop and no request is left running; the error stays
         with contextlib.suppress(Exception):
             _close(logger, rollout)
         raise
     _close(logger, rollout)
+
+
+def _perf(
+    samples: list, settings: StepSettings, t0: float, t1: float, t2: float, t3: float
+) -> dict[str, float]:
+    """Times of one step's rollout, train and sync phases (t0..t3), and train throughput."""
+    num_tokens = sum(len(s) for s in samples)
+    return {
+        "time_rollout_s": t1 - t0,
+        "time_train_s": t2 - t1,
+        "time_sync_s": t3 - t2,
+        "train_tokens_per_s": num_tokens * settings.num_iterations / max(t2 - t1, 1e-9),
+    }
 
 
 def _close(logger: MetricsLogger, rollout: _RolloutSide | None) -> None:

@@ -6,13 +6,12 @@ import pytest
 import torch.distributed as dist
 
 from megatron_grpo import cli
-from megatron_grpo.commands.dry_run import (
+from megatron_grpo.commands.dry_run import dry_run, resolve_world_size
+from megatron_grpo.commands.memory_model import (
     GIB,
     activation_bytes_per_token_layer,
-    dry_run,
     layer_params,
     layers_in_flight,
-    resolve_world_size,
     stage_params,
     total_params,
 )

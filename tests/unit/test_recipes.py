@@ -16,7 +16,8 @@ from typing import NamedTuple
 import pytest
 
 from megatron_grpo import cli
-from megatron_grpo.commands.dry_run import dry_run, resolve_world_size, total_params
+from megatron_grpo.commands.dry_run import dry_run, resolve_world_size
+from megatron_grpo.commands.memory_model import total_params
 from megatron_grpo.config import dump_config, load_config
 from megatron_grpo.config.hf import check_family, family_of, get_family, read_hf_config
 from megatron_grpo.config.init_model import MODEL_CONFIG_FILE

@@ -57,6 +57,37 @@ def _replicas(spread: tuple[float, float], grad, update) -> float:
     return out
 
 
+def _passes(before: list, final: dict, history: list, micro_batches: list[int]) -> list[dict]:
+    """One result per optimizer pass: the gradient and parameters captured before it, the
+    update it made (to the next capture, or to ``final``), its metrics."""
+    after = [b["params"] for b in before[1:]] + [final]
+    out = []
+    for b, params, metrics in zip(before, after, history):
+        update = {name: params[name] - b["params"][name] for name in params}
+        out.append(
+            {
+                "grad": b["grad"],
+                "update": update,
+                "params": params,
+                "grad_norm": metrics["grad_norm"],
+                "replicas": _replicas(b["spread"], b["grad"], update),
+                "clip_fraction": metrics["clip_fraction"],
+                "kl": metrics["kl"],
+                "micro_batches": micro_batches,
+            }
+        )
+    return out
+
+
+def _outside_megatron(init_state: dict, ref_state: dict, run, mode: str) -> dict:
+    """The first pass's gradient on the fixed batch, computed with transformers."""
+    from megatron_grpo.commands.invariance.reference import reference_gradient
+
+    batch = fixed_batch(run.model.vocab_size)
+    loss = default_loss(mode)
+    return reference_gradient(init_state, ref_state, batch, run.model, loss, max_len=MAX_COMPLETION)
+
+
 def run_layout(
     *,
     tp: int,
@@ -92,13 +123,8 @@ def run_layout(
     assert ref_state is not None
     ref_model = build_model(run.model, ctx, wrap_ddp=False)
     load_full_state(ref_model, ref_state, run.model, ctx)
-    results: dict[str, Any] = {
-        "init_state": init_state,
-        "ref_state": ref_state,
-        "active": run.active,
-        "cases": {},
-        "transformers": {},
-    }
+    results: dict[str, Any] = dict(init_state=init_state, ref_state=ref_state, active=run.active)
+    results |= {"cases": {}, "transformers": {}}
     layouts = variants(micro_batch_counts, permute, pack, empty_rank="vpp" not in run.active)
     for mode, variant in itertools.product(modes, layouts):
         load_full_state(model, init_state, run.model, ctx)
@@ -133,29 +159,9 @@ def run_layout(
             continue
         budget = settings.max_tokens_per_micro_batch
         split = plan(lengths, dp_size=ctx.dp_size, max_tokens=budget, packed=variant.packed)
-        after = [b["params"] for b in before[1:]] + [final]  # type: ignore[index]
-        for k, (b, params, metrics) in enumerate(zip(before, after, history), start=1):
-            assert b is not None and params is not None
-            update = {name: params[name] - b["params"][name] for name in params}
-            results["cases"][f"{mode}/{variant}/pass{k}"] = {
-                "grad": b["grad"],
-                "update": update,
-                "params": params,
-                "grad_norm": metrics["grad_norm"],
-                "replicas": _replicas(b["spread"], b["grad"], update),
-                "clip_fraction": metrics["clip_fraction"],
-                "kl": metrics["kl"],
-                "micro_batches": [len(rank) for rank in split.ranks],
-            }
+        counts = [len(rank) for rank in split.ranks]
+        for k, case in enumerate(_passes(before, final, history, counts), start=1):
+            results["cases"][f"{mode}/{variant}/pass{k}"] = case
         if is_reference and variant == layouts[0]:
-            from megatron_grpo.commands.invariance.reference import reference_gradient
-
-            results["transformers"][mode] = reference_gradient(
-                init_state,
-                ref_state,
-                fixed_batch(vocab),
-                run.model,
-                default_loss(mode),
-                max_len=MAX_COMPLETION,
-            )
+            results["transformers"][mode] = _outside_megatron(init_state, ref_state, run, mode)
     return results if ctx.is_main else None
