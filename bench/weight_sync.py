@@ -1,24 +1,34 @@
-"""Weight sync to the embedded server vs plain safetensors serialization of the same weights.
+"""Weight push to the embedded server vs a plain safetensors save of the same weights.
 
-    python bench/weight_sync.py                 # TP2 learner (2 gloo processes), ~58 MB fp32
-    python bench/weight_sync.py --layout 1x1x1
+    python bench/weight_sync.py                 # DP2 x TP2 x PP2 (8 gloo processes), ~360 MB
+    python bench/weight_sync.py --layout 1x2x2
     python bench/weight_sync.py --quick
 
-One push is what the trainer does after each step: every rank gathers the
-full tensors from its shards (``full_state.gather_full_state``), global rank
-0 maps them to Hugging Face names (``convert.weights.megatron_to_hf``) and sends
-them with ``weight_sync.push(method="tensor")`` to the embedded server on the
-same machine: pause, flush, safetensors + base64 serialization, HTTP, decoding
-and copying into the server's model, continue. The baseline, timed in the
-same repeats in rotating order, is ``safetensors.torch.save`` of the same
-HF-named state dict to bytes in memory. Reported: push / safetensors time
-ratio, push MB/s, and the push split into gather, mapping and the rest.
+One push is what the trainer does after each step (``train.weight_push.WeightPush``,
+``sync_method=tensor``): every pipeline stage's sender gathers its layers over TP, a layer
+at a time, maps them to Hugging Face names and streams safetensors buckets to the embedded
+server, which runs in a process of its own (``python -m megatron_grpo.rollout.embedded``);
+the other DP replica's ranks only take part in nothing but the parameter check. The
+baseline, timed in the same repeats in rotating order, is ``safetensors.torch.save`` of the
+same HF-named state dict to bytes in memory, on one process.
+
+Reported: push / save wall-time ratio; push / save CPU-time ratio with the CPU of every
+learner rank and of the server process counted; push MB/s; and each rank's peak resident
+memory growth during a push (sampled every millisecond, glibc told to return freed memory),
+against ``memory_model.weight_push_bytes``. The last push is read back from the server
+(``rollout.check_weight_sync``).
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import tempfile
+import threading
 import time
 from dataclasses import asdict
+from pathlib import Path
 
 from _common import (
     Ratio,
@@ -34,209 +44,235 @@ from _common import (
     write_result,
 )
 
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"}
+BUCKET_MB = 64
+
 
 def model_config(quick: bool):
     from megatron_grpo.config import ModelConfig
 
     if quick:
-        return tiny_model(
-            vocab_size=500,
-            make_vocab_size_divisible_by=8,
-            max_position_embeddings=128,
-            qk_layernorm=True,
-        )
+        return tiny_model(vocab_size=500, make_vocab_size_divisible_by=8, qk_layernorm=True)
     return ModelConfig(
-        num_layers=2,
-        hidden_size=512,
-        ffn_hidden_size=1536,
-        num_attention_heads=8,
+        num_layers=8,
+        hidden_size=1024,
+        ffn_hidden_size=3072,
+        num_attention_heads=16,
         num_query_groups=4,
-        vocab_size=8000,
+        vocab_size=32000,
         make_vocab_size_divisible_by=128,
         max_position_embeddings=512,
         qk_layernorm=True,
     )
 
 
-def worker(*, tp: int, pp: int, model_cfg, family: str, repeats: int, warmup: int) -> dict | None:
-    import safetensors.torch
+class _Peak:
+    """This process's resident set, sampled every millisecond while open."""
 
-    from megatron_grpo.config import ParallelDims
+    def __init__(self) -> None:
+        self.start = self.peak = _rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.001):
+            self.peak = max(self.peak, _rss())
+
+    def close(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak - self.start
+
+
+def _rss(pid: str = "self") -> int:
+    with open(f"/proc/{pid}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def worker(*, tp: int, pp: int, model_cfg, url: str, server_pid: int, repeats: int, warmup: int):
+    import ctypes
+    import gc
+
+    import safetensors.torch
+    import torch.distributed as dist
+
+    from megatron_grpo.commands.memory_model import weight_push_bytes
+    from megatron_grpo.config import ParallelDims, RolloutConfig
+    from megatron_grpo.convert.weights import megatron_to_hf
+    from megatron_grpo.mcore.full_state import gather_full_state
     from megatron_grpo.mcore.model import build_model
     from megatron_grpo.mcore.parallel import init_parallel
-    from megatron_grpo.rollout import weight_sync
-    from megatron_grpo.rollout.embedded.weights import tensor_update
+    from megatron_grpo.rollout.runtime import RolloutRuntime
+    from megatron_grpo.train.weight_push import WeightPush
 
     ctx = init_parallel(ParallelDims(tp=tp, pp=pp))
     model = build_model(model_cfg, ctx, wrap_ddp=False)
-    main = ctx.is_main
-    served = _start_server(model_cfg, family) if main else None
-    reference = weight_sync.hf_state(model, ctx, model_cfg, family)  # for the baseline
-    parts: dict[str, list[Timing]] = {"gather": [], "mapping": [], "rest": []}
-    push = _push_action(model, ctx, model_cfg, family, served, parts)
+    rollout = RolloutConfig(engine="sglang", urls=[url], sync_bucket_mb=BUCKET_MB)
+    runtime = RolloutRuntime(rollout, model_cfg=model_cfg) if ctx.is_main else None
+    push = WeightPush(model_cfg, rollout, ctx, main_sender=runtime.sender if runtime else None)
+    version = iter(range(1 << 30))
 
-    plain = None
-    if main:
-        plain = {k: v.detach().contiguous() for k, v in reference.items()}
+    def push_once() -> None:
+        dist.barrier()
+        push(model, str(next(version)), runtime)
+        dist.barrier()
 
-    def on_main(fn):
-        return lambda: fn() if main else None
+    push_once()  # connections open, imports done
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    peak = _Peak()
+    push_once()
+    growth = peak.close()
+    shard = sum(p.numel() * p.element_size() for chunk in model for p in chunk.parameters())
+    # The baseline's tensors: the whole model on rank 0, gathered only now.
+    full = gather_full_state(model, ctx, vocab_size=model_cfg.vocab_size)
+    plain = None if full is None else megatron_to_hf(full, model_cfg, "qwen3")
+    server_cpu: list[float] = []
+
+    def timed_push() -> None:
+        before = _cpu_s(server_pid) if ctx.is_main else 0.0
+        push_once()
+        if ctx.is_main:
+            server_cpu.append(_cpu_s(server_pid) - before)
 
     times = interleaved(
         {
-            "push": push,
-            "safetensors": on_main(lambda: safetensors.torch.save(plain)),
-            "serialize_only": on_main(lambda: tensor_update(plain, weight_version="x")),
+            "push": timed_push,
+            "safetensors": lambda: safetensors.torch.save(plain) if plain is not None else None,
         },
         repeats=repeats,
         warmup=warmup,
     )
-    skip = len(parts["gather"]) - len(times["push"])
-    times.update({f"push_{k}": v[skip:] for k, v in parts.items()})
+    memory = [None] * ctx.world_size
+    dist.all_gather_object(memory, {"growth": growth, "shard": shard, "tp": tp, "pp": pp})
+    rollout.check_weight_sync = True
+    push_once()  # read back from the server: it holds what the learner has
     times = sum_over_ranks(times)
-    if not main:
+    push.close()
+    if runtime is not None:
+        runtime.close()
+    if plain is None or times is None:
         return None
-    max_diff = _served_max_diff(served, plain)
+    server = server_cpu[warmup:]
+    times["push_with_server"] = [
+        Timing(t.wall, t.cpu + s) for t, s in zip(times["push"], server, strict=True)
+    ]
     return {
         "times": times,
         "bytes": sum(t.numel() * t.element_size() for t in plain.values()),
         "num_tensors": len(plain),
-        "server_max_abs_diff": max_diff,
+        "memory": memory,
+        "bound": weight_push_bytes(model_cfg, BUCKET_MB << 20),
     }
 
 
-def _start_server(model_cfg, family: str):
-    """On the main rank: the embedded server on a HF model of the same shape, and a client."""
-    import asyncio
-
+def start_server(model_cfg, directory: Path) -> tuple[subprocess.Popen, str]:
+    """The embedded server in its own process, on a random HF model of the same shape."""
     from transformers import AutoModelForCausalLM
 
     from megatron_grpo.convert.hf_config import hf_config_from_model_config
-    from megatron_grpo.rollout.client import ClientConfig, SGLangClient
-    from megatron_grpo.rollout.embedded.server import start_embedded_server
+    from megatron_grpo.launch import free_port
+    from megatron_grpo.rollout.servers import http_ok
 
-    hf = AutoModelForCausalLM.from_config(hf_config_from_model_config(model_cfg, family))
-    server = start_embedded_server(hf, weight_version="0", max_batch_size=1)
-    loop = asyncio.new_event_loop()
-    client = SGLangClient(ClientConfig(urls=(server.url,)))
-    loop.run_until_complete(client.__aenter__())
-    return server, loop, client
-
-
-def _push_action(model, ctx, model_cfg, family: str, served, parts: dict[str, list[Timing]]):
-    """One push as the trainer does it, its gather / mapping / rest times added to ``parts``."""
-    import torch.distributed as dist
-
-    from megatron_grpo.convert.weights import megatron_to_hf
-    from megatron_grpo.mcore.full_state import gather_full_state
-    from megatron_grpo.rollout import weight_sync
-
-    version = iter(range(1, 1 << 30))
-
-    def push() -> None:
-        dist.barrier()
-        clocks = [_clocks()]
-        full = gather_full_state(model, ctx, vocab_size=model_cfg.vocab_size)
-        clocks.append(_clocks())
-        if served is not None:
-            _, loop, client = served
-            named = megatron_to_hf(full, model_cfg, family)
-            clocks.append(_clocks())
-            loop.run_until_complete(
-                weight_sync.push(client, named, method="tensor", weight_version=str(next(version)))
-            )
-        else:
-            clocks.append(_clocks())
-        dist.barrier()
-        clocks.append(_clocks())
-        for key, (a, b) in zip(parts, zip(clocks, clocks[1:])):
-            parts[key].append(Timing(b[0] - a[0], b[1] - a[1]))
-
-    return push
-
-
-def _served_max_diff(served, plain: dict) -> float:
-    """Stop the server; the largest difference between its weights and the learner's."""
-    import torch
-
-    server, loop, client = served
-    with torch.no_grad():  # the server holds exactly what the learner has
-        state = server.engine.model.state_dict()
-        max_diff = max(float((state[k].float() - v.float()).abs().max()) for k, v in plain.items())
-    loop.run_until_complete(client.close())
-    loop.close()
-    server.stop()
-    return max_diff
-
-
-def _clocks() -> tuple[float, float]:
-    return time.perf_counter(), time.process_time()
-
-
-def main() -> None:
-    p = parser(__doc__)
-    p.add_argument("--layout", help="DPxTPxPP of the learner (default 1x2x1; 1x1x1 with --quick)")
-    p.add_argument("--repeats", type=int)
-    p.add_argument("--warmup", type=int)
-    p.add_argument(
-        "--timeout", type=float, help="seconds per launch (default 600; 150 with --quick)"
+    AutoModelForCausalLM.from_config(
+        hf_config_from_model_config(model_cfg, "qwen3")
+    ).save_pretrained(directory)
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "megatron_grpo.rollout.embedded", "--model-path", str(directory)]
+        + ["--port", str(port), "--max-batch-size", "1"],
+        env={**os.environ, **MALLOC_ENV},
     )
-    args = p.parse_args()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while not http_ok(f"{url}/health", timeout_s=1.0):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError("the embedded server did not start")
+        time.sleep(0.2)
+    return proc, url
 
-    from megatron_grpo.commands.invariance import Layout
 
-    layout = Layout.parse(args.layout or ("1x1x1" if args.quick else "1x2x1"))
-    repeats = args.repeats or (2 if args.quick else 10)
-    warmup = args.warmup if args.warmup is not None else (0 if args.quick else 1)
-    model_cfg = model_config(args.quick)
-    family = "qwen3"
-    out = run_at_layout(
-        __file__,
-        layout,
-        timeout=args.timeout or (150.0 if args.quick else 600.0),
-        model_cfg=model_cfg,
-        family=family,
-        repeats=repeats,
-        warmup=warmup,
-    )[0]
+def report(out: dict, layout) -> dict:
     times = out["times"]
     mb = out["bytes"] / 1e6
     ratio = {
-        clock: Ratio.of(
-            f"{layout} push/safetensors_save [{clock}]",
-            ratios(times, ["push"], "safetensors", clock),
-        )
-        for clock in ("cpu", "wall")
+        "wall": Ratio.of(
+            f"{layout} push/safetensors_save [wall]", ratios(times, ["push"], "safetensors", "wall")
+        ),
+        "cpu": Ratio.of(
+            f"{layout} push/safetensors_save [cpu, all learner ranks + server]",
+            ratios(times, ["push_with_server"], "safetensors", "cpu"),
+        ),
     }
     for r in ratio.values():
         print(r.line())
     mb_per_s = [mb / t.wall for t in times["push"]]
     print(
         f"  {mb:.1f} MB in {out['num_tensors']} tensors: push "
-        f"{summary(mb_per_s)['median']:.0f} MB/s median (wall), safetensors "
-        f"{mb / summary([t.wall for t in times['safetensors']])['median']:.0f} MB/s; "
-        f"server weights equal the learner's (max |diff| {out['server_max_abs_diff']:.1e})"
+        f"{summary(mb_per_s)['median']:.0f} MB/s median (wall), safetensors save "
+        f"{mb / summary([t.wall for t in times['safetensors']])['median']:.0f} MB/s"
     )
-    shares = {
-        k: Ratio.of(f"{layout} {k}/push [cpu]", ratios(times, [k], "push", "cpu"))
-        for k in ("push_gather", "push_mapping", "push_rest", "serialize_only")
-    }
-    for r in shares.values():
-        print("  " + r.line())
+    bound = out["bound"] / 2**20
+    for rank, m in enumerate(out["memory"]):
+        print(
+            f"  rank {rank}: resident set grew {m['growth'] / 2**20:.1f} MiB during a push "
+            f"(own shard {m['shard'] / 2**20:.0f} MiB; stated bound for a sender {bound:.1f} MiB)"
+        )
+    return {"push_vs_safetensors": ratio, "push_mb_per_s_wall": summary(mb_per_s), "mb": mb}
+
+
+def main() -> None:
+    p = parser(__doc__)
+    p.add_argument("--layout", help="DPxTPxPP of the learner (default 2x2x2; 1x1x2 with --quick)")
+    p.add_argument("--repeats", type=int)
+    p.add_argument("--warmup", type=int)
+    p.add_argument("--timeout", type=float, help="seconds per launch (default 900)")
+    args = p.parse_args()
+
+    from megatron_grpo.commands.invariance import Layout
+
+    layout = Layout.parse(args.layout or ("1x1x2" if args.quick else "2x2x2"))
+    repeats = args.repeats or (2 if args.quick else 6)
+    warmup = args.warmup if args.warmup is not None else (0 if args.quick else 1)
+    model_cfg = model_config(args.quick)
+    with tempfile.TemporaryDirectory(prefix="mgrpo_bench_sync_") as tmp:
+        server, url = start_server(model_cfg, Path(tmp) / "hf")
+        try:
+            out = run_at_layout(
+                __file__,
+                layout,
+                timeout=args.timeout or 900.0,
+                env=MALLOC_ENV,
+                model_cfg=model_cfg,
+                url=url,
+                server_pid=server.pid,
+                repeats=repeats,
+                warmup=warmup,
+            )[0]
+        finally:
+            server.terminate()
+            server.wait(timeout=60)
+    summary_ = report(out, layout)
     write_result(
         "weight_sync",
         args.out,
         {
             "quick": args.quick,
             "layout": str(layout),
-            "family": family,
             "model": asdict(model_cfg),
-            "megabytes": mb,
-            "push_vs_safetensors": ratio,
-            "push_mb_per_s_wall": summary(mb_per_s),
-            "push_shares": shares,
-            "seconds": seconds(times),
-            "server_max_abs_diff": out["server_max_abs_diff"],
+            "megabytes": summary_["mb"],
+            "push_vs_safetensors": summary_["push_vs_safetensors"],
+            "push_mb_per_s_wall": summary_["push_mb_per_s_wall"],
+            "memory_per_rank": out["memory"],
+            "sender_bound_bytes": out["bound"],
+            "seconds": seconds(out["times"]),
             "repeats": repeats,
         },
     )

@@ -21,6 +21,7 @@ from megatron_grpo.commands.memory_model import (
     stage_memory,
     stage_params,
     total_params,
+    weight_push_bytes,
 )
 from megatron_grpo.config import Config
 from megatron_grpo.train.preflight import check_layout
@@ -229,8 +230,10 @@ def _format_memory(r: DryRunReport) -> list[str]:
         + ", ".join(f"{s.stage}: {_gib(s.total)}" for s in r.memory)
         + ")",
         *(f"  {name:<18}{_gib(v):>7}  {note}" for name, v, note in rows),
-        "host memory of global rank 0 for weight sync (the full model, gathered to CPU): "
-        f"{_gib(total_params(m) * DTYPE_BYTES[m.params_dtype])} GiB",
+        "weight push, extra memory of each stage's sender (a decoder layer or the embedding "
+        f"at a time, 3 buckets of {cfg.rollout.sync_bucket_mb} MiB): "
+        f"{_gib(weight_push_bytes(m, cfg.rollout.sync_bucket_mb << 20))} GiB; the full model "
+        f"would be {_gib(total_params(m) * DTYPE_BYTES[m.params_dtype])} GiB",
     ]
 
 

@@ -62,7 +62,7 @@ SOFTMAX_FP32_BYTES = 4
 """Unfused attention's fp32 softmax output, per head, token and key (its copy in the params
 dtype comes on top unless that is fp32)."""
 RESERVED_GIB = 5.0
-"""CUDA context, NCCL buffers, weight-sync gather buffers, allocator fragmentation."""
+"""CUDA context, NCCL buffers, weight-push gather buffers, allocator fragmentation."""
 
 
 # --------------------------------------------------------------------------- parameters
@@ -85,6 +85,14 @@ def total_params(m: ModelConfig) -> int:
     vocab = m.vocab_size * m.hidden_size
     output = 0 if m.tie_embeddings else vocab
     return m.num_layers * layer_params(m, 1) + vocab + output + m.hidden_size
+
+
+def weight_push_bytes(m: ModelConfig, bucket_bytes: int) -> int:
+    """Peak extra memory of a stage's sender during a weight push (``rollout.stage_sender``):
+    twice the largest unit it gathers at once (a decoder layer, or the embedding or head)
+    plus three buckets. Every other rank: nothing beyond its own shard."""
+    largest = max(layer_params(m, 1), m.vocab_size * m.hidden_size)
+    return 2 * largest * DTYPE_BYTES[m.params_dtype] + 3 * bucket_bytes
 
 
 @dataclass(frozen=True)

@@ -57,12 +57,21 @@ class RolloutConfig:
     weight_update_timeout_s: float = 600.0
     """Limit for one weight-update call."""
     sync_method: Literal["tensor", "disk", "distributed"] = "tensor"
-    """How weights reach the servers after each step; ``tensor`` (shared memory) and ``disk``
-    need the servers on this machine, ``distributed`` (a gloo/nccl broadcast) does not."""
+    """How weights reach the servers after each step, from every pipeline stage's sender:
+    ``tensor`` (an SGLang server: shared memory, so senders on its machine) and ``disk``
+    (``sync_disk_dir`` visible to senders and servers) or ``distributed`` (a gloo/nccl
+    broadcast group per stage), which needs neither."""
     sync_master_address: str = "127.0.0.1"
-    """This process's address as the servers reach it (sync_method=distributed)."""
+    """The main rank's host as the servers reach it (sync_method=distributed); senders on
+    other hosts use their host's address."""
     sync_bucket_mb: int = 512
-    """Largest tensor-update request."""
+    """Largest bucket a stage sends at once (a request, a file or a broadcast)."""
+    sync_disk_dir: str | None = None
+    """sync_method=disk: where each push's directory is made (default: the system's
+    temporary directory); each push's directory is removed once the engines loaded it."""
+    check_weight_sync: bool = False
+    """After each push, read the first rows of every weight back from every engine
+    (``/get_weights_by_name``) and stop, naming them, if any differs from the learner's."""
     dump_dir: str | None = None
     """Write each step's training samples here (jsonl)."""
     replay_dir: str | None = None
@@ -95,8 +104,6 @@ class RolloutConfig:
                 raise ValueError("rollout.engine=sglang needs rollout.urls or launch_command")
             if self.urls and self.launch_command:
                 raise ValueError("set rollout.urls (attach) or rollout.launch_command, not both")
-        if self.sync_method == "distributed" and self.engine != "sglang":
-            raise ValueError("rollout.sync_method=distributed needs rollout.engine=sglang")
 
 
 @dataclass(kw_only=True)

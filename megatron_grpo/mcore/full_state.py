@@ -148,7 +148,7 @@ def gather_full_state(
     return out
 
 
-def _chunk_params(
+def chunk_params(
     model_chunk: torch.nn.Module, cfg: ModelConfig, ctx: ParallelContext
 ) -> dict[str, Tensor]:
     """A chunk's parameters under global, local-spec names (``_extra_state`` left out)."""
@@ -179,7 +179,7 @@ def load_full_state(
     """
     names = {canonical_megatron_name(k): k for k in full}
     for chunk in model:
-        for name, param in _chunk_params(chunk, cfg, ctx).items():
+        for name, param in chunk_params(chunk, cfg, ctx).items():
             tied = name == MEGATRON_OUTPUT and cfg.tie_embeddings
             source = MEGATRON_EMBEDDING if tied else name
             if source not in names:

@@ -361,6 +361,11 @@ class SGLangClient:
         body = {"group_name": group_name}
         await self._fan_out("POST", "/destroy_weights_update_group", body, weight_update=True)
 
+    async def get_weights_by_name(self, name: str, *, truncate_size: int, url: str) -> Any:
+        """One server's weight ``name`` as nested lists, cut to ``truncate_size`` rows."""
+        body = {"name": name, "truncate_size": truncate_size}
+        return await self._call("POST", url, "/get_weights_by_name", body, weight_update=True)
+
     async def model_info(self, url: str | None = None) -> dict[str, Any]:
         return await self._call("GET", url or self._urls[0], "/model_info")
 

@@ -25,14 +25,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
+import shutil
 import tempfile
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from megatron_grpo.config import RolloutConfig
+from megatron_grpo.config import ModelConfig, RolloutConfig
+
+if TYPE_CHECKING:
+    from megatron_grpo.rollout.client import ClientConfig
+    from megatron_grpo.rollout.stage_sender import StageReport, SyncPlan
 
 logger = logging.getLogger(__name__)
 
@@ -47,15 +53,19 @@ class RolloutRuntime:
         seed: int = 0,
         weight_version: str = "0",
         model_path: str | None = None,
+        model_cfg: ModelConfig | None = None,
     ):
-        """``model_path`` fills ``{model}`` in ``cfg.launch_command``."""
-        from megatron_grpo.rollout.client import ClientConfig, SGLangClient
+        """``model_path`` fills ``{model}`` in ``cfg.launch_command``; ``model_cfg`` (and its
+        ``hf_family``) names the model in the directory a ``disk`` push writes."""
+        from megatron_grpo.mcore import device
+        from megatron_grpo.rollout.client import SGLangClient
         from megatron_grpo.rollout.embedded.server import start_embedded_server
+        from megatron_grpo.rollout.stage_sender import StageSender
 
         self.cfg = cfg
+        self.model_cfg = model_cfg
         self.server = None
         self.servers = None
-        self._update_group: Any = None
         if cfg.engine == "embedded":
             if hf_model is None:
                 raise ValueError("the embedded rollout engine needs the policy as a HF model")
@@ -73,15 +83,7 @@ class RolloutRuntime:
         self.loop = asyncio.new_event_loop()
 
         def client(urls: tuple[str, ...]) -> SGLangClient:
-            config = ClientConfig(
-                urls=urls,
-                max_concurrency=cfg.max_concurrency,
-                request_timeout_s=cfg.request_timeout_s,
-                connect_timeout_s=cfg.connect_timeout_s,
-                control_timeout_s=cfg.control_timeout_s,
-                weight_update_timeout_s=cfg.weight_update_timeout_s,
-            )
-            opened = SGLangClient(config)
+            opened = SGLangClient(client_config(cfg, urls))
             self.loop.run_until_complete(opened.__aenter__())
             return opened
 
@@ -94,6 +96,10 @@ class RolloutRuntime:
             raise
         self.dropped: list[str] = []
         """Engines out of use since they stopped answering."""
+        self.sender = StageSender(
+            functools.partial(client_config, cfg), 0, backend=device.distributed_backend()
+        )
+        """The sender of pipeline stage 0 (this process, the main rank)."""
 
     def generate_groups(
         self, prompts: list[list[int]], cfg: RolloutConfig, *, seed: int, stop_token_ids: list[int]
@@ -129,53 +135,115 @@ class RolloutRuntime:
             groups[s.prompt_index][s.sample_index] = s
         return groups
 
-    def push_weights(
-        self, named: Mapping[str, torch.Tensor], *, weight_version: str, **kwargs
-    ) -> None:
-        """Send HF-named weights to every engine in use (``kwargs``: see ``weight_sync.push``);
-        engines that answer again are taken back first, engines that fail it and no longer
-        answer are dropped and the push is repeated on the others."""
-        from megatron_grpo.rollout.errors import RolloutError
+    def push_weights(self, named: Mapping[str, torch.Tensor], *, weight_version: str) -> None:
+        """Send HF-named weights held by this process alone (one sender) to every engine."""
+        while True:
+            plan = self.begin_push(weight_version)
+            report = self.sender.send(iter([named]), plan)
+            if self.finish_push(plan, [report]):  # else: engines were dropped; again
+                break
+        if plan.check:
+            self.check_push(plan, self.sender.check(plan))
+
+    def begin_push(self, weight_version: str) -> SyncPlan:
+        """Open a push on every engine in use (pause, flush, begin) and say how the stage
+        senders send; engines that answer again are taken back first."""
+        import socket
+
+        from megatron_grpo.rollout.stage_sender import SyncPlan
 
         self._take_back_engines()
+        client = self.weight_client
+        disk_dir = None
+        if self.cfg.sync_method == "disk":
+            disk_dir = tempfile.mkdtemp(prefix="mgrpo_weights_", dir=self.cfg.sync_disk_dir)
+
+        async def begin() -> None:
+            await client.pause_generation(mode="in_place")
+            await client.flush_cache()
+            if self.cfg.sync_method != "disk":
+                await client.begin_weight_update()
+
+        self._run_or_drop(begin, "opening a weight update")
+        return SyncPlan(
+            urls=client.urls,
+            method=self.cfg.sync_method,
+            weight_version=weight_version,
+            bucket_bytes=self.cfg.sync_bucket_mb << 20,
+            disk_dir=disk_dir,
+            main_host=socket.gethostname(),
+            master_address=self.cfg.sync_master_address,
+            check=self.cfg.check_weight_sync,
+        )
+
+    def finish_push(self, plan: SyncPlan, reports: list[StageReport]) -> bool:
+        """Close the push that every stage has sent (True), or drop the engines that failed
+        it and no longer answer (False: push again to the others). Raises on a learner-side
+        failure, or when no engine is left."""
+        from megatron_grpo.rollout import weight_sync
+        from megatron_grpo.rollout.errors import RolloutError
+
+        failed = [r for r in reports if r.error]
+        client = self.weight_client
+
+        async def finish() -> None:
+            try:
+                if not failed and plan.method == "disk":
+                    assert plan.disk_dir is not None and self.model_cfg is not None
+                    family = self.model_cfg.hf_family
+                    weight_sync.write_disk_index(plan.disk_dir, reports, self.model_cfg, family)
+                    await client.update_weights_from_disk(
+                        plan.disk_dir, weight_version=plan.weight_version
+                    )
+                if plan.method != "disk":
+                    await client.end_weight_update()
+            finally:
+                await client.continue_generation()
+
+        try:
+            self.loop.run_until_complete(finish())
+        except RolloutError as err:
+            if failed:
+                logger.warning("closing a failed weight update: %s", err)
+            else:
+                failed.append(StageReport(stage=-1, error=str(err), rollout_error=True))
+        finally:
+            if plan.disk_dir is not None:
+                shutil.rmtree(plan.disk_dir, ignore_errors=True)
+        if not failed:
+            return True
+        why = "; ".join(r.error or "" for r in failed)
+        if not all(r.rollout_error for r in failed):
+            raise RuntimeError(f"weight sync failed: {why}")
+        if not self._drop_silent_engines(f"weight update failed: {why}", wait=True):
+            raise RolloutError(f"weight sync failed: {why}")
+        return False
+
+    def check_push(self, plan: SyncPlan, problems: list[str]) -> None:
+        """``rollout.check_weight_sync``: fail, naming the weights, if an engine differs."""
+        if problems:
+            shown = "\n  ".join(problems[:20])
+            more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
+            raise RuntimeError(
+                f"rollout.check_weight_sync: after pushing weight version {plan.weight_version} "
+                f"the engines hold different weights:\n  {shown}{more}"
+            )
+        logger.info(
+            "weight version %s checked on %d engine(s)", plan.weight_version, len(plan.urls)
+        )
+
+    def _run_or_drop(self, call: Callable[[], Awaitable[None]], why: str) -> None:
+        """Run ``call()`` (control calls to every engine in use); on failure drop the engines
+        that no longer answer and run it again on the others."""
+        from megatron_grpo.rollout.errors import RolloutError
+
         while True:
             try:
-                self._push(named, weight_version=weight_version, **kwargs)
+                self.loop.run_until_complete(call())
                 return
             except RolloutError as err:
-                if not self._drop_silent_engines(f"weight update failed: {err}", wait=True):
+                if not self._drop_silent_engines(f"{why} failed: {err}", wait=True):
                     raise
-
-    def _push(self, named: Mapping[str, torch.Tensor], *, weight_version: str, **kwargs) -> None:
-        from megatron_grpo.mcore import device
-        from megatron_grpo.rollout import weight_sync
-
-        timeout_s = self.weight_client.config.weight_update_timeout_s
-        if self.cfg.sync_method == "distributed" and self._update_group is None:
-            self._update_group = self.loop.run_until_complete(
-                weight_sync.open_update_group(
-                    self.weight_client,
-                    master_address=self.cfg.sync_master_address,
-                    backend=device.distributed_backend(),
-                    timeout_s=timeout_s,
-                )
-            )
-        try:
-            self.loop.run_until_complete(
-                weight_sync.push(
-                    self.weight_client,
-                    named,
-                    method=self.cfg.sync_method,
-                    weight_version=weight_version,
-                    bucket_bytes=self.cfg.sync_bucket_mb << 20,
-                    tensor_format="sglang" if self.cfg.engine == "sglang" else "embedded",
-                    update_group=self._update_group,
-                    **kwargs,
-                )
-            )
-        finally:
-            if self._update_group is not None and self._update_group.broken:
-                self._close_update_group()  # the next push opens a fresh one
 
     # ---- engines that stop answering ----
 
@@ -246,23 +314,10 @@ class RolloutRuntime:
         # Generation too, unless a router stands in front of the engines (it routes around
         # silent ones itself).
         self.weight_client.use_only(urls)
-        if self._update_group is not None:  # its members changed: the next push opens one
-            self._close_update_group()
-
-    def _close_update_group(self) -> None:
-        from megatron_grpo.rollout import weight_sync
-        from megatron_grpo.rollout.errors import RolloutError
-
-        group, self._update_group = self._update_group, None
-        try:
-            self.loop.run_until_complete(weight_sync.close_update_group(self.weight_client, group))
-        except RolloutError as err:
-            logger.warning("could not close the weight-update group %s: %s", group.name, err)
 
     def close(self) -> None:
         try:
-            if self._update_group is not None:
-                self._close_update_group()
+            self.sender.close()
             for client in {id(c): c for c in (self.client, self.weight_client)}.values():
                 self.loop.run_until_complete(client.close())
             self.loop.close()
@@ -274,6 +329,20 @@ class RolloutRuntime:
             self.server.stop()
         if self.servers is not None:
             self.servers.stop()
+
+
+def client_config(cfg: RolloutConfig, urls: tuple[str, ...]) -> ClientConfig:
+    """The client settings of ``cfg`` for the engines at ``urls``."""
+    from megatron_grpo.rollout.client import ClientConfig
+
+    return ClientConfig(
+        urls=urls,
+        max_concurrency=cfg.max_concurrency,
+        request_timeout_s=cfg.request_timeout_s,
+        connect_timeout_s=cfg.connect_timeout_s,
+        control_timeout_s=cfg.control_timeout_s,
+        weight_update_timeout_s=cfg.weight_update_timeout_s,
+    )
 
 
 def _start_or_attach(cfg: RolloutConfig, model_path: str | None):

@@ -105,7 +105,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 @dataclass
 class UpdateGroup:
-    """The trainer's end (rank 0) of a weight-broadcast process group with the servers."""
+    """One end of a weight-broadcast process group: the sender (rank 0) or a receiver."""
 
     name: str
     world_size: int
@@ -113,17 +113,31 @@ class UpdateGroup:
     device: torch.device
     _store: Any
     _pg: Any
+    rank: int = 0
     broken: bool = False
     """A broadcast failed part-way: the ranks are out of step, so the group must not be reused."""
 
-    def broadcast(self, tensors: Sequence[Tensor]) -> None:
-        """Broadcast each tensor from rank 0, in order; blocks until each is sent."""
+    def _broadcast(self, buffer: Tensor) -> None:
         options = dist.BroadcastOptions()
         options.rootRank = 0
         options.rootTensor = 0
+        self._pg.broadcast([buffer], options).wait()
+
+    def broadcast(self, tensors: Sequence[Tensor]) -> None:
+        """Broadcast each tensor from rank 0, in order; blocks until each is sent."""
         for tensor in tensors:
-            buffer = tensor.detach().to(self.device).contiguous()
-            self._pg.broadcast([buffer], options).wait()
+            self._broadcast(tensor.detach().to(self.device).contiguous())
+
+    def receive(
+        self, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]]
+    ) -> dict[str, Tensor]:
+        """The tensors rank 0 broadcasts, in the order announced (on a receiving rank)."""
+        out = {}
+        for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+            buffer = torch.empty(tuple(shape), dtype=getattr(torch, dtype), device=self.device)
+            self._broadcast(buffer)
+            out[name] = buffer
+        return out
 
     def close(self) -> None:
         self._pg = None
@@ -138,14 +152,15 @@ def open_update_group(
     group_name: str,
     backend: str,
     timeout_s: float,
+    rank: int = 0,
 ) -> UpdateGroup:
-    """Host the group's store and join as rank 0; blocks until every server rank has joined."""
+    """Join the group as ``rank``; rank 0 hosts its store. Blocks until every rank has joined."""
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(
         master_address,
         master_port,
         world_size,
-        is_master=True,
+        is_master=rank == 0,
         timeout=timeout,
         wait_for_workers=False,
         multi_tenant=True,
@@ -158,14 +173,14 @@ def open_update_group(
     if backend == "gloo":
         from torch.distributed.distributed_c10d import ProcessGroupGloo
 
-        pg: Any = ProcessGroupGloo(prefixed, 0, world_size, timeout)
+        pg: Any = ProcessGroupGloo(prefixed, rank, world_size, timeout)
         device = torch.device("cpu")
     elif backend == "nccl":
         from torch.distributed.distributed_c10d import ProcessGroupNCCL
 
         options = ProcessGroupNCCL.Options()
         options._timeout = timeout
-        pg = ProcessGroupNCCL(prefixed, 0, world_size, options)
+        pg = ProcessGroupNCCL(prefixed, rank, world_size, options)
         device = torch.device("cuda", torch.cuda.current_device())
     else:
         raise ValueError(f"weight-update group backend must be gloo or nccl, got {backend!r}")
@@ -176,4 +191,5 @@ def open_update_group(
         device=device,
         _store=store,
         _pg=pg,
+        rank=rank,
     )

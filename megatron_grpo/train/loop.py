@@ -2,7 +2,7 @@
 
 Every rank runs this. Generation, scoring and the data cursor live on global
 rank 0, which broadcasts each step's training samples; the train step and
-the weight gather are collective.
+the weight push (every pipeline stage sends its own layers) are collective.
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ from megatron_grpo.mcore.optim import build_optimizer
 from megatron_grpo.mcore.parallel import broadcast_object, init_parallel
 from megatron_grpo.metrics import MetricsLogger, namespaced
 from megatron_grpo.rollout import stage as rollout_stage
-from megatron_grpo.rollout import weight_sync
 from megatron_grpo.train import sources
 from megatron_grpo.train import state as train_state
 from megatron_grpo.train.run_lock import HELD_ENV, RunLock, RunLockedError
 from megatron_grpo.train.step import StepSettings, train_on_rollout
+from megatron_grpo.train.weight_push import WeightPush
 
 
 def train(cfg: Config) -> None:
@@ -167,18 +167,28 @@ def step_settings(cfg: Config) -> StepSettings:
 
 
 class _RolloutSide:
-    """Data, rewards and engines: real on global rank 0, weight gathers everywhere."""
+    """Data, rewards and engines on global rank 0; weight pushes from every stage."""
 
     def __init__(self, cfg: Config, ctx, model: list, extra: dict, *, start_step: int) -> None:
         self.cfg, self.ctx = cfg, ctx
-        named = weight_sync.hf_state(model, ctx, cfg.model, cfg.model.hf_family)  # collective
-        if named is None:  # not the main rank
-            return
+        self.runtime: Any = None
+        if ctx.is_main:
+            self._start(cfg, extra, start_step)
+        main_sender = self.runtime.sender if self.runtime is not None else None
+        self.weight_push = WeightPush(
+            cfg.model, cfg.rollout, ctx, main_sender=main_sender
+        )  # collective
+        # The engines load their weights elsewhere (a random embedded model, a server's
+        # model path, which need not be the policy's: a Megatron train.init, a resumed
+        # run); the first rollout uses the learner's.
+        self.sync(model, start_step)
+
+    def _start(self, cfg: Config, extra: dict, start_step: int) -> None:
         from transformers import AutoTokenizer
 
         from megatron_grpo.data import PromptDataset, PromptSampler
         from megatron_grpo.rewards import RewardScorer
-        from megatron_grpo.rollout.embedded.weights import hf_model_from_state
+        from megatron_grpo.rollout.embedded.weights import hf_model_from_config
         from megatron_grpo.rollout.runtime import RolloutRuntime
 
         self.tokenizer = AutoTokenizer.from_pretrained(sources.tokenizer_path(cfg))
@@ -190,16 +200,13 @@ class _RolloutSide:
         embedded = cfg.rollout.engine == "embedded"
         self.runtime = RolloutRuntime(
             cfg.rollout,
-            hf_model=hf_model_from_state(named, cfg.model) if embedded else None,
+            hf_model=hf_model_from_config(cfg.model) if embedded else None,
             tokenizer=self.tokenizer,
             seed=cfg.seed,
             weight_version=str(start_step),
             model_path=sources.hf_model_path(cfg),
+            model_cfg=cfg.model,
         )
-        if not embedded:
-            # SGLang servers load their weights from disk, which need not be the policy's (a
-            # Megatron train.init, a resumed run): the first rollout uses the learner's.
-            self._push(named, start_step)
 
     def collect(self, step: int):
         if not self.ctx.is_main:
@@ -220,21 +227,13 @@ class _RolloutSide:
         return batch
 
     def sync(self, model: list, step: int) -> None:
-        named = weight_sync.hf_state(model, self.ctx, self.cfg.model, self.cfg.model.hf_family)
-        if named is not None:
-            self._push(named, step)
-
-    def _push(self, named: dict, step: int) -> None:
-        self.runtime.push_weights(
-            named,
-            weight_version=str(step),
-            model_cfg=self.cfg.model,
-            family=self.cfg.model.hf_family,
-        )
+        """Push the policy to the engines as weight version ``step``. Collective."""
+        self.weight_push(model, str(step), self.runtime)
 
     def state(self) -> dict:
         return {"sampler": self.sampler.state_dict()} if self.ctx.is_main else {}
 
     def close(self) -> None:
+        self.weight_push.close()
         if self.ctx.is_main:
             self.runtime.close()

@@ -107,8 +107,8 @@ def learner_scenario(
     from megatron_grpo.mcore.full_state import load_full_state
     from megatron_grpo.mcore.model import build_model
     from megatron_grpo.mcore.parallel import init_parallel
-    from megatron_grpo.rollout import weight_sync
     from megatron_grpo.rollout.runtime import RolloutRuntime
+    from megatron_grpo.train.weight_push import WeightPush
 
     ctx = init_parallel(ParallelDims(tp=2))
     cfg = resolve_hf_model(hf_dir)
@@ -125,6 +125,7 @@ def learner_scenario(
             temperature=0.0,
             sync_method=method,  # type: ignore[arg-type]
             sync_bucket_mb=1,  # several buckets even for this tiny model
+            sync_disk_dir=work_dir,
         )
 
     phases: dict[str, Any] = {}
@@ -135,20 +136,14 @@ def learner_scenario(
         runtime.close()
     for step, method in enumerate(METHODS, start=1):
         _perturb(model, ctx, cfg, seed=step)
-        named = weight_sync.hf_state(model, ctx, cfg, "qwen2")  # collective
-        runtime = RolloutRuntime(rollout_cfg(method)) if ctx.is_main else None
-        if runtime is not None:
-            assert named is not None
-            start = time.perf_counter()
-            runtime.push_weights(
-                named,
-                weight_version=str(step),
-                model_cfg=cfg,
-                family="qwen2",
-                **({"disk_dir": f"{work_dir}/step_{step}"} if method == "disk" else {}),
-            )
-            timings[method] = time.perf_counter() - start
-        phases[method] = _phase(runtime, model, ctx, cfg, rollout_cfg(method), prompts)
+        method_cfg = rollout_cfg(method)
+        runtime = RolloutRuntime(method_cfg, model_cfg=cfg) if ctx.is_main else None
+        push = WeightPush(cfg, method_cfg, ctx, main_sender=runtime.sender if runtime else None)
+        start = time.perf_counter()
+        push(model, str(step), runtime)  # collective: every stage sends its own layers
+        timings[method] = time.perf_counter() - start
+        push.close()
+        phases[method] = _phase(runtime, model, ctx, cfg, method_cfg, prompts)
         if runtime is not None:
             runtime.close()
     # The trainer's own groups still work after the broadcast group came and went.

@@ -17,7 +17,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from megatron_grpo.rollout.client import ClientConfig, SGLangClient
 from megatron_grpo.rollout.embedded.server import start_embedded_server
-from megatron_grpo.rollout.embedded.weights import tensor_update
+from megatron_grpo.rollout.embedded.weights import shared_bucket, tensor_update
 from megatron_grpo.rollout.errors import RolloutBatchError, RolloutHTTPError
 from megatron_grpo.rollout.types import FinishReason, RolloutRequest, SamplingParams
 from megatron_grpo.testing import sglang_contract as contract
@@ -336,12 +336,12 @@ def test_pause_abort_mode_aborts_running_samples(server):
     assert sample.finish_reason.type == "abort"
 
 
-def test_health_flush_and_unserved_endpoints(server):
+def test_health_flush_and_weight_calls_refused_by_name(server):
     async def scenario():
         async with SGLangClient(ClientConfig(urls=(server.url,))) as client:
             health = await client.health_generate()
             await client.flush_cache()
-            with pytest.raises(RolloutHTTPError, match="not served by the embedded server"):
+            with pytest.raises(RolloutHTTPError, match="no weight update group 'g' is open"):
                 await client.update_weights_from_distributed(
                     names=["w"],
                     dtypes=["float32"],
@@ -349,6 +349,22 @@ def test_health_flush_and_unserved_endpoints(server):
                     group_name="g",
                     weight_version="1",
                 )
+            with pytest.raises(RolloutHTTPError, match="joins gloo groups only, not 'nccl'"):
+                await client.init_weights_update_group(
+                    url=server.url,
+                    master_address="127.0.0.1",
+                    master_port=1,
+                    rank_offset=1,
+                    world_size=2,
+                    group_name="g",
+                    backend="nccl",
+                )
+            with pytest.raises(RolloutHTTPError, match="no weight named 'nope'"):
+                await client.get_weights_by_name("nope", truncate_size=2, url=server.url)
+            norm = await client.get_weights_by_name(
+                "model.norm.weight", truncate_size=3, url=server.url
+            )
+            assert len(norm) == 3 and all(isinstance(v, float) for v in norm)
             return health
 
     assert asyncio.run(scenario()) == {server.url: True}
@@ -399,9 +415,13 @@ def test_update_weights_from_disk_changes_outputs_and_version(own_server, tmp_pa
         assert sample.weight_version == "2"
 
 
-def test_update_weights_from_tensor_inside_a_session(own_server, model):
+@pytest.mark.parametrize("way", ["body", "shared_memory"])
+def test_update_weights_from_tensor_inside_a_session(own_server, model, way):
     new_model = tiny_qwen2(seed=2)
-    payload = tensor_update(new_model.state_dict(), weight_version="3")
+    shared = shared_bucket(new_model.state_dict())
+    payload: object = tensor_update(new_model.state_dict(), weight_version="3")
+    if way == "shared_memory":
+        payload = shared.request(weight_version="3")
 
     async def scenario():
         async with SGLangClient(ClientConfig(urls=(own_server.url,))) as client:
@@ -411,12 +431,20 @@ def test_update_weights_from_tensor_inside_a_session(own_server, model):
             bad = tensor_update({"no.such.weight": torch.zeros(1)}, weight_version="x")
             with pytest.raises(RolloutHTTPError, match="no such weights"):
                 await client.update_weights_from_tensor(bad, url=own_server.url)
-            with pytest.raises(RolloutHTTPError, match="takes the tensors as a safetensors body"):
+            with pytest.raises(RolloutHTTPError, match="takes the tensors in shared memory"):
                 await client.update_weights_from_tensor({"weight_version": "x"}, url=own_server.url)
+            elsewhere = {"shared_memory": {"path": "/etc/passwd", "tensors": []}}
+            with pytest.raises(RolloutHTTPError, match="must be a /dev/shm/mgrpo_weights_"):
+                await client.update_weights_from_tensor(elsewhere, url=own_server.url)
             await client.update_weights_from_tensor(payload, url=own_server.url)
             await client.end_weight_update()
             return await client.generate(RolloutRequest(prompts=PROMPTS, sampling=GREEDY))
 
-    for sample in asyncio.run(scenario()):
+    try:
+        samples = asyncio.run(scenario())
+    finally:
+        shared.close()
+    assert not shared.path.exists()
+    for sample in samples:
         assert list(sample.output_ids) == assert_policy_logprobs(new_model, sample)
         assert sample.weight_version == "3"

@@ -351,7 +351,6 @@ def test_runtime_launches_from_the_config_and_stops_on_close(tmp_path, fake_rout
     [
         ({"engine": "sglang"}, "needs rollout.urls or launch_command"),
         ({"engine": "sglang", "urls": ["http://a:1"], "launch_command": "x {port}"}, "not both"),
-        ({"sync_method": "distributed"}, "needs rollout.engine=sglang"),
         ({"engine": "sglang", "launch_command": "x {port}", "num_servers": 0}, "num_servers"),
     ],
 )
@@ -467,11 +466,11 @@ def test_a_dead_engine_is_dropped_and_taken_back_once_it_answers(tmp_path):
         control_timeout_s=5.0,
         server_startup_timeout_s=8.0,
     )
-    runtime = RolloutRuntime(cfg)
+    runtime = RolloutRuntime(cfg, model_cfg=model_cfg)
     prompts = [[1, 2, 3], [4, 5]]
 
     def push(version: str) -> None:
-        runtime.push_weights(named, weight_version=version, model_cfg=model_cfg, family="qwen2")
+        runtime.push_weights(named, weight_version=version)
 
     def rollout() -> list:
         groups = runtime.generate_groups(prompts, cfg, seed=0, stop_token_ids=[])

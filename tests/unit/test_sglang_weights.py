@@ -13,7 +13,6 @@ The real SGLang server runs both in tests/sglang.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import gc
 import json
@@ -28,7 +27,6 @@ import torch
 import torch.distributed as dist
 
 from megatron_grpo.launch import free_port
-from megatron_grpo.rollout import weight_sync
 from megatron_grpo.rollout.sglang_weights import (
     dtype_name,
     open_update_group,
@@ -167,10 +165,3 @@ def test_sharing_strategy_is_restored():
     before = torch.multiprocessing.get_sharing_strategy()
     consume(serialize_for_sglang(shared_copies({"w": torch.ones(2)})))
     assert torch.multiprocessing.get_sharing_strategy() == before
-
-
-def test_distributed_push_needs_an_update_group():
-    with pytest.raises(ValueError, match="needs update_group"):
-        asyncio.run(
-            weight_sync.push(None, {}, method="distributed", weight_version="1", update_group=None)
-        )

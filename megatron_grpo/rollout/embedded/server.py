@@ -12,7 +12,7 @@ Differences from SGLang worth knowing:
   no prompt or top-k logprobs, no string stops or grammar constraints: such
   requests get HTTP 400 rather than a silently different answer;
 - ``/update_weights_from_tensor`` takes a safetensors body (``weights.py``), and the
-  distributed (NCCL/gloo) update is not served;
+  distributed update joins gloo groups only (``weight_routes.py``);
 - ``/health_generate`` answers 200 while paused instead of timing out.
 
 ``start_embedded_server`` runs it on a background thread with its own event loop.
@@ -24,6 +24,7 @@ import asyncio
 import copy
 import functools
 import os
+import socket
 import threading
 import time
 import uuid
@@ -41,11 +42,13 @@ from megatron_grpo.rollout.embedded.protocol import (
     generate_answer,
     parse_generate_body,
 )
+from megatron_grpo.rollout.embedded.weight_routes import WeightRoutes, json_object, outcome
 from megatron_grpo.rollout.embedded.weights import (
     TENSOR_CONTENT_TYPE,
     copy_into_model,
     deserialize_named_tensors,
     load_hf_model,
+    load_shared,
 )
 from megatron_grpo.rollout.types import SamplingParams
 
@@ -90,12 +93,7 @@ class _Server:
         app.router.add_post("/end_weight_update", self.end_weight_update)
         app.router.add_post("/update_weights_from_disk", self.update_weights_from_disk)
         app.router.add_post("/update_weights_from_tensor", self.update_weights_from_tensor)
-        for path in (
-            "/init_weights_update_group",
-            "/update_weights_from_distributed",
-            "/destroy_weights_update_group",
-        ):
-            app.router.add_post(path, self.not_served)
+        WeightRoutes(self.engine, self._update, timeout_s=self.weight_update_timeout_s).add_to(app)
         for path in ("/model_info", "/get_model_info"):
             app.router.add_get(path, self.model_info)
         for path in ("/server_info", "/get_server_info"):
@@ -193,12 +191,12 @@ class _Server:
         return web.Response(text="Cache flushed.\n")  # there is no prefix cache to flush
 
     async def abort_request(self, request: web.Request) -> web.Response:
-        body = await _json_object(request)
+        body = await json_object(request)
         self.engine.abort(str(body.get("rid") or ""), abort_all=bool(body.get("abort_all")))
         return web.Response(status=200)
 
     async def pause_generation(self, request: web.Request) -> web.Response:
-        mode = (await _json_object(request)).get("mode", "abort")
+        mode = (await json_object(request)).get("mode", "abort")
         if mode not in ("abort", "retract", "in_place"):
             return web.json_response({"error": f"unknown pause mode {mode!r}"}, status=400)
         self.engine.pause(abort_running=mode == "abort")
@@ -212,25 +210,25 @@ class _Server:
 
     async def begin_weight_update(self, request: web.Request) -> web.Response:
         if self.weight_session_open:
-            return _outcome(
+            return outcome(
                 False, "a weight-update session is already open; call end_weight_update() first"
             )
         self.weight_session_open = True
-        return _outcome(True, "Success")
+        return outcome(True, "Success")
 
     async def end_weight_update(self, request: web.Request) -> web.Response:
         if not self.weight_session_open:
-            return _outcome(
+            return outcome(
                 False, "no weight-update session is open; call begin_weight_update() first"
             )
         self.weight_session_open = False
-        return _outcome(True, "Success")
+        return outcome(True, "Success")
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
-        body = await _json_object(request)
+        body = await json_object(request)
         path = body.get("model_path")
         if not isinstance(path, str) or not path:
-            return _outcome(False, "model_path (a Hugging Face directory) is required")
+            return outcome(False, "model_path (a Hugging Face directory) is required")
         if body.get("abort_all_requests"):
             self.engine.abort(abort_all=True)
         loop = asyncio.get_running_loop()
@@ -239,7 +237,7 @@ class _Server:
             apply = functools.partial(_copy_all, source=new_model)
             await loop.run_in_executor(None, self._update, apply, body.get("weight_version"))
         except (OSError, ValueError, TimeoutError) as err:
-            return _outcome(False, f"Failed to update weights from {path}: {err}")
+            return outcome(False, f"Failed to update weights from {path}: {err}")
         self.model_path = path
         return web.json_response(
             {
@@ -251,41 +249,40 @@ class _Server:
 
     async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
         if not self.weight_session_open:
-            return _outcome(
+            return outcome(
                 False,
                 "update_weights_from_tensor must run between begin_weight_update() "
                 "and end_weight_update()",
             )
-        if request.content_type != TENSOR_CONTENT_TYPE:
-            return _outcome(
-                False,
-                f"the embedded server takes the tensors as a safetensors body "
-                f"(Content-Type {TENSOR_CONTENT_TYPE}; see "
-                "megatron_grpo.rollout.embedded.weights.tensor_update), "
-                f"got Content-Type {request.content_type}",
-            )
-        blob = await request.read()
         loop = asyncio.get_running_loop()
-        try:
-            named = await loop.run_in_executor(None, deserialize_named_tensors, blob)
-            apply = functools.partial(copy_into_model, named_tensors=named, require_all=False)
+        if request.content_type == TENSOR_CONTENT_TYPE:
+            blob = await request.read()
+            read = functools.partial(deserialize_named_tensors, blob)
             version = request.query.get("weight_version")
+        else:
+            body = await json_object(request)
+            if "shared_memory" not in body:
+                return outcome(
+                    False,
+                    "the embedded server takes the tensors in shared memory (a JSON body with "
+                    f"shared_memory) or as a safetensors body (Content-Type "
+                    f"{TENSOR_CONTENT_TYPE}); see megatron_grpo.rollout.embedded.weights, "
+                    "not SGLang's serialized_named_tensors",
+                )
+            read = functools.partial(load_shared, body["shared_memory"])
+            version = body.get("weight_version")
+        try:
+            named = await loop.run_in_executor(None, read)
+            apply = functools.partial(copy_into_model, named_tensors=named, require_all=False)
             await loop.run_in_executor(None, self._update, apply, version)
         except (ValueError, TimeoutError) as err:
-            return _outcome(False, f"Failed to update weights from tensors: {err}")
-        return _outcome(True, "Success")
+            return outcome(False, f"Failed to update weights from tensors: {err}")
+        return outcome(True, "Success")
 
     def _update(self, apply: Any, weight_version: Any) -> None:
         version = None if weight_version is None else str(weight_version)
         self.engine.update_weights(
             apply, weight_version=version, timeout_s=self.weight_update_timeout_s
-        )
-
-    async def not_served(self, request: web.Request) -> web.Response:
-        return _outcome(
-            False,
-            f"{request.path} is not served by the embedded server; "
-            "use /update_weights_from_tensor or /update_weights_from_disk",
         )
 
     # ---- info ----
@@ -321,6 +318,7 @@ class _Server:
                 "port": self.port,
                 "disaggregation_mode": "null",
                 "device": "cpu",
+                "hostname": socket.gethostname(),
                 "max_batch_size": self.engine.max_batch_size,
             }
         )
@@ -328,24 +326,6 @@ class _Server:
 
 def _copy_all(model: PreTrainedModel, *, source: PreTrainedModel) -> None:
     copy_into_model(model, source.state_dict(), require_all=True)
-
-
-def _outcome(success: bool, message: str) -> web.Response:
-    return web.json_response(
-        {"success": success, "message": message}, status=200 if success else 400
-    )
-
-
-async def _json_object(request: web.Request) -> dict[str, Any]:
-    if not request.can_read_body:
-        return {}
-    try:
-        body = await request.json()
-    except ValueError as err:
-        raise web.HTTPBadRequest(text=f"body is not JSON: {err}") from err
-    if not isinstance(body, dict):
-        raise web.HTTPBadRequest(text="body must be a JSON object")
-    return body
 
 
 @dataclass

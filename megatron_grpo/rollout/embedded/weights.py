@@ -1,17 +1,26 @@
 """Weights into the embedded server: from a Hugging Face directory or from named tensors.
 
-``/update_weights_from_tensor`` on the embedded server takes the tensors as the
-request body itself: one safetensors blob of ``{hf_name: tensor}`` (Content-Type
-``application/octet-stream``), with ``weight_version`` and ``flush_cache`` as query
-parameters; no base64, no JSON around megabytes of weights. SGLang's own format
-(pickled ``MultiprocessingSerializer`` handles in JSON) is refused: unpickling what a
-client sends is not something an HTTP server should do.
+``/update_weights_from_tensor`` on the embedded server takes the tensors in one of two
+ways, never as base64 in JSON:
+- in shared memory, from a sender on the same machine: the sender copies the bucket into
+  one file under ``/dev/shm`` (``shared_bucket``) and sends a small JSON body naming the
+  file and each tensor's dtype, shape and offset (``{"shared_memory": ...}``); the server
+  maps the file and copies each tensor straight into its parameter. One copy on each side.
+- as the request body itself: one safetensors blob of ``{hf_name: tensor}`` (Content-Type
+  ``application/octet-stream``), with ``weight_version`` and ``flush_cache`` as query
+  parameters, from anywhere.
+SGLang's own format (pickled ``MultiprocessingSerializer`` handles in JSON) is refused:
+unpickling what a client sends is not something an HTTP server should do.
 """
 
 from __future__ import annotations
 
+import os
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import safetensors.torch
 import torch
@@ -65,11 +74,99 @@ def tensor_update(
     )
 
 
+SHM_DIR = Path("/dev/shm")
+SHM_PREFIX = "mgrpo_weights_"
+_ALIGN = 64
+
+
+@dataclass
+class SharedBucket:
+    """A bucket of tensors in one shared-memory file; ``close()`` removes the file."""
+
+    path: Path
+    entries: list[dict[str, Any]]
+    """Per tensor: name, dtype (``float32``), shape and byte offset in the file."""
+    buffer: torch.Tensor
+
+    def request(self, *, weight_version: str, flush_cache: bool = True) -> dict[str, Any]:
+        """The JSON body of ``/update_weights_from_tensor`` that loads this bucket."""
+        return {
+            "shared_memory": {"path": str(self.path), "tensors": self.entries},
+            "weight_version": weight_version,
+            "flush_cache": flush_cache,
+        }
+
+    def close(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+def shared_memory_available() -> bool:
+    return SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK)
+
+
+def shared_bucket(named_tensors: Mapping[str, torch.Tensor]) -> SharedBucket:
+    """``named_tensors`` copied into a new file under ``/dev/shm``, each at an aligned offset."""
+    entries, offset = [], 0
+    for name, t in named_tensors.items():
+        entries.append(
+            {
+                "name": name,
+                "dtype": str(t.dtype).removeprefix("torch."),
+                "shape": list(t.shape),
+                "offset": offset,
+            }
+        )
+        offset += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+    path = SHM_DIR / f"{SHM_PREFIX}{os.getpid()}_{uuid.uuid4().hex}"
+    buffer = torch.from_file(str(path), shared=True, size=max(offset, 1), dtype=torch.uint8)
+    bucket = SharedBucket(path, entries, buffer)
+    try:
+        for entry, t in zip(entries, named_tensors.values()):
+            _view(buffer, entry).copy_(t.detach())
+    except BaseException:
+        bucket.close()
+        raise
+    return bucket
+
+
+def _view(buffer: torch.Tensor, entry: Mapping[str, Any]) -> torch.Tensor:
+    dtype = getattr(torch, str(entry["dtype"]), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{entry['name']}: unknown dtype {entry['dtype']!r}")
+    shape = [int(n) for n in entry["shape"]]
+    nbytes = dtype.itemsize * int(torch.Size(shape).numel())
+    start = int(entry["offset"])
+    if start < 0 or start % _ALIGN or start + nbytes > buffer.numel():
+        raise ValueError(f"{entry['name']}: offset {start} and size {nbytes} lie outside the file")
+    return buffer[start : start + nbytes].view(dtype).view(shape)
+
+
+def load_shared(spec: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """The tensors of a ``shared_memory`` request, as views of the mapped file (no copy).
+
+    Only files this project's senders make are opened (``/dev/shm/mgrpo_weights_*``).
+    """
+    path = Path(str(spec.get("path", "")))
+    if path.parent != SHM_DIR or not path.name.startswith(SHM_PREFIX):
+        raise ValueError(f"shared_memory.path must be a {SHM_DIR}/{SHM_PREFIX}* file, got {path}")
+    if not path.is_file():
+        raise ValueError(f"shared_memory.path {path} does not exist (is the sender on this host?)")
+    buffer = torch.from_file(str(path), shared=False, size=path.stat().st_size, dtype=torch.uint8)
+    return {str(e["name"]): _view(buffer, e) for e in spec.get("tensors", [])}
+
+
 def load_hf_model(model_path: str) -> PreTrainedModel:
     """A causal LM from a Hugging Face directory, fp32, eval mode."""
     # Loaded in the checkpoint's dtype and then upcast (exact from bf16/fp16):
     # the dtype keyword changed name between transformers 4 and 5.
     return AutoModelForCausalLM.from_pretrained(model_path).float().eval()
+
+
+def hf_model_from_config(cfg: ModelConfig) -> PreTrainedModel:
+    """A transformers model of ``cfg``'s family and shape with random weights (the
+    embedded engine's copy of the policy until the first push)."""
+    hf_cfg = hf_config_from_model_config(cfg, cfg.hf_family)
+    return AutoModelForCausalLM.from_config(hf_cfg).float().eval()
 
 
 def hf_model_from_state(named: Mapping[str, torch.Tensor], cfg: ModelConfig) -> PreTrainedModel:

@@ -1,0 +1,44 @@
+"""The embedded server in a process of its own, started as SGLang's is:
+
+    python -m megatron_grpo.rollout.embedded --model-path DIR --port 30000
+
+It serves until SIGTERM or Ctrl-C; ``/health`` answers once the model is loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import threading
+
+from megatron_grpo.rollout.embedded.server import start_embedded_server
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m megatron_grpo.rollout.embedded")
+    parser.add_argument("--model-path", required=True, help="a Hugging Face model directory")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-batch-size", type=int, default=64)
+    args = parser.parse_args(argv)
+    handle = start_embedded_server(
+        args.model_path,
+        args.host,
+        args.port,
+        seed=args.seed,
+        max_batch_size=args.max_batch_size,
+    )
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    print(f"embedded server ready at {handle.url}", flush=True)
+    try:
+        stop.wait()
+    except KeyboardInterrupt:
+        pass
+    handle.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

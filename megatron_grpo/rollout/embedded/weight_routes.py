@@ -1,0 +1,136 @@
+"""The embedded server's broadcast weight updates and weight reads, as SGLang serves them.
+
+- ``/init_weights_update_group`` joins a weight-broadcast group (gloo) as
+  ``rank_offset``; the trainer's sender is rank 0. Several groups may be open at once,
+  one per pipeline stage of the trainer, each under its own ``group_name``.
+- ``/update_weights_from_distributed`` receives the announced tensors from that group's
+  rank 0 and loads them; it answers once they are loaded.
+- ``/destroy_weights_update_group`` leaves a group.
+- ``/get_weights_by_name`` returns a weight as SGLang does: ``tensor.float().tolist()``
+  cut to its first ``truncate_size`` entries (rows of a matrix).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from aiohttp import web
+
+from megatron_grpo.rollout.embedded.engine import GenerationEngine
+from megatron_grpo.rollout.embedded.weights import copy_into_model
+from megatron_grpo.rollout.sglang_weights import UpdateGroup, open_update_group
+
+
+def outcome(success: bool, message: str) -> web.Response:
+    return web.json_response(
+        {"success": success, "message": message}, status=200 if success else 400
+    )
+
+
+async def json_object(request: web.Request) -> dict[str, Any]:
+    if not request.can_read_body:
+        return {}
+    try:
+        body = await request.json()
+    except ValueError as err:
+        raise web.HTTPBadRequest(text=f"body is not JSON: {err}") from err
+    if not isinstance(body, dict):
+        raise web.HTTPBadRequest(text="body must be a JSON object")
+    return body
+
+
+def _missing(body: dict[str, Any], *keys: str) -> str | None:
+    absent = [k for k in keys if k not in body]
+    return f"missing field(s): {', '.join(absent)}" if absent else None
+
+
+class WeightRoutes:
+    """Handlers that share the open update groups; ``update(apply, version)`` loads."""
+
+    def __init__(
+        self,
+        engine: GenerationEngine,
+        update: Callable[[Any, Any], None],
+        *,
+        timeout_s: float,
+    ) -> None:
+        self.engine = engine
+        self.update = update
+        self.timeout_s = timeout_s
+        self.groups: dict[str, UpdateGroup] = {}
+
+    def add_to(self, app: web.Application) -> None:
+        app.router.add_post("/init_weights_update_group", self.init_group)
+        app.router.add_post("/update_weights_from_distributed", self.update_from_distributed)
+        app.router.add_post("/destroy_weights_update_group", self.destroy_group)
+        app.router.add_route("*", "/get_weights_by_name", self.get_weights_by_name)
+
+    async def init_group(self, request: web.Request) -> web.Response:
+        body = await json_object(request)
+        keys = ("master_address", "master_port", "rank_offset", "world_size", "group_name")
+        if problem := _missing(body, *keys):
+            return outcome(False, problem)
+        backend = body.get("backend") or "gloo"
+        if backend != "gloo":
+            return outcome(False, f"the embedded server joins gloo groups only, not {backend!r}")
+        name = str(body["group_name"])
+        if name in self.groups:
+            return outcome(False, f"weight update group {name!r} is already open")
+        join = functools.partial(
+            open_update_group,
+            master_address=str(body["master_address"]),
+            master_port=int(body["master_port"]),
+            world_size=int(body["world_size"]),
+            group_name=name,
+            backend=backend,
+            timeout_s=self.timeout_s,
+            rank=int(body["rank_offset"]),
+        )
+        try:
+            self.groups[name] = await asyncio.get_running_loop().run_in_executor(None, join)
+        except (RuntimeError, ValueError) as err:  # torch raises DistStoreError etc.
+            return outcome(False, f"Failed to join weight update group {name!r}: {err}")
+        return outcome(True, "Succeeded to initialize custom process group.")
+
+    async def update_from_distributed(self, request: web.Request) -> web.Response:
+        body = await json_object(request)
+        if problem := _missing(body, "names", "dtypes", "shapes", "group_name"):
+            return outcome(False, problem)
+        group = self.groups.get(str(body["group_name"]))
+        if group is None:
+            return outcome(False, f"no weight update group {body['group_name']!r} is open")
+        loop = asyncio.get_running_loop()
+        receive = functools.partial(group.receive, body["names"], body["dtypes"], body["shapes"])
+        try:
+            named = await loop.run_in_executor(None, receive)
+            apply = functools.partial(copy_into_model, named_tensors=named, require_all=False)
+            await loop.run_in_executor(None, self.update, apply, body.get("weight_version"))
+        except (RuntimeError, ValueError, TimeoutError) as err:
+            group.broken = True
+            return outcome(False, f"Failed to update weights from the group: {err}")
+        return outcome(True, "Succeeded to update parameter online.")
+
+    async def destroy_group(self, request: web.Request) -> web.Response:
+        name = str((await json_object(request)).get("group_name", ""))
+        group = self.groups.pop(name, None)
+        if group is None:
+            return outcome(False, f"no weight update group {name!r} is open")
+        group.close()
+        return outcome(True, "Succeeded to destroy custom process group.")
+
+    async def get_weights_by_name(self, request: web.Request) -> web.Response:
+        body = await json_object(request)
+        if request.method == "GET" and not body:
+            body = dict(request.query)
+        name = str(body.get("name", ""))
+        truncate = int(body.get("truncate_size", 100))
+        weights = self.engine.model.state_dict()
+        if name not in weights:
+            return web.json_response({"error": f"no weight named {name!r}"}, status=400)
+        with torch.no_grad():
+            values = weights[name].detach().float().tolist()[:truncate]
+        return web.json_response(values)
