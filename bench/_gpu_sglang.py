@@ -3,7 +3,7 @@
 A random Qwen3-shaped model saved with transformers, ``python -m
 sglang.launch_server`` on it, generation through the trainer's
 ``SGLangClient``, then the weights of a megatron learner holding the same model
-pushed to the server with ``weight_sync.push(method="tensor")``.
+pushed to the server as the trainer pushes them (``train.weight_push.WeightPush``).
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def part_sglang(args, *, startup_timeout_s: float) -> dict[str, Any]:
             # One client per phase: between phases this process does other work, and a
             # pooled keep-alive connection the server closed meanwhile would fail a call.
             result["generation"] = asyncio.run(_generate(group.urls, args))
-            result["weight_sync"] = asyncio.run(_sync(group.urls, learner))
+            result["weight_sync"] = _sync(group.urls, learner)
         finally:
             group.stop()
     finally:
@@ -166,35 +166,38 @@ async def _generate(urls, args) -> dict[str, Any]:
     return {"prompts": num_prompts, "n": n, "new_tokens": new_tokens, "tokens_per_s": runs}
 
 
-async def _sync(urls, learner) -> dict[str, Any]:
-    from megatron_grpo.rollout import weight_sync
+def _sync(urls, learner) -> dict[str, Any]:
+    """Three pushes as the trainer makes them (``WeightPush``, ``sync_method=tensor``)."""
+    from megatron_grpo.config import RolloutConfig
+    from megatron_grpo.mcore.hf_export import stage_hf_layers
+    from megatron_grpo.rollout.runtime import RolloutRuntime
     from megatron_grpo.rollout.types import RolloutRequest, SamplingParams
+    from megatron_grpo.train.weight_push import WeightPush
 
     model, ctx, cfg = learner
+    rollout = RolloutConfig(engine="sglang", urls=list(urls), check_weight_sync=False)
+    runtime = RolloutRuntime(rollout, model_cfg=cfg)
+    push = WeightPush(cfg, rollout, ctx, main_sender=runtime.sender)
+    nbytes = sum(
+        t.numel() * t.element_size() for u in stage_hf_layers(model, cfg, ctx) for t in u.values()
+    )
     pushes = []
-    async with _client(urls) as client:
+    try:
         for version in range(1, 4):
             t0 = time.perf_counter()
-            named = weight_sync.hf_state(model, ctx, cfg, "qwen3")
-            t1 = time.perf_counter()
-            assert named is not None
-            await weight_sync.push(
-                client, named, method="tensor", tensor_format="sglang", weight_version=str(version)
-            )
-            t2 = time.perf_counter()
-            nbytes = sum(t.numel() * t.element_size() for t in named.values())
-            pushes.append({"gather_and_map_s": t1 - t0, "push_s": t2 - t1, "bytes": nbytes})
-        check = await client.generate(
-            RolloutRequest(
-                prompts=_prompts(1),
-                sampling=SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True),
-            )
+            push(model, str(version), runtime)
+            pushes.append({"push_s": time.perf_counter() - t0, "bytes": nbytes})
+        request = RolloutRequest(
+            prompts=_prompts(1),
+            sampling=SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True),
         )
+        check = runtime.loop.run_until_complete(runtime.client.generate(request))
+    finally:
+        runtime.close()
     return {
-        "method": "tensor (SGLang's format, shared memory)",
+        "method": "tensor (SGLang's format, shared memory), streamed a layer at a time",
         "runs": pushes,
-        "gb_per_s": [p["bytes"] / (p["gather_and_map_s"] + p["push_s"]) / 1e9 for p in pushes],
-        "gb_per_s_push_only": [p["bytes"] / p["push_s"] / 1e9 for p in pushes],
+        "gb_per_s": [p["bytes"] / p["push_s"] / 1e9 for p in pushes],
         "weight_version_after": check[0].weight_version,
         "distributed": "not measured: NCCL refuses two ranks on one GPU",
     }

@@ -24,14 +24,13 @@ measured peak / dry-run estimate per case (target: within 25%).
 
 from __future__ import annotations
 
-import threading
 from dataclasses import asdict, dataclass, replace
 
 from _common import parser, run_at_layout, write_result
 
-PAGE = 4096
+from megatron_grpo.testing.memory import MALLOC_ENV, ResidentPeak, rss
+
 TOLERANCE = 0.25
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"}
 """glibc malloc settings for the workers: every allocation above 64 KiB gets its own
 mapping, returned to the system when freed (the default threshold grows after the first
 large free, after which freed tensors stay resident and blur what is live)."""
@@ -96,33 +95,6 @@ def configs(case: Case, quick: bool):
     return model_config(quick), optim, train, dims, layout, row
 
 
-class Sampler:
-    """Resident set of this process, sampled every millisecond in a thread."""
-
-    def __init__(self) -> None:
-        self.peak = rss()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.001):
-            self.peak = max(self.peak, rss())
-
-    def reset(self) -> None:
-        self.peak = rss()
-
-    def close(self) -> int:
-        self._stop.set()
-        self._thread.join()
-        return self.peak
-
-
-def rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * PAGE
-
-
 def worker(*, tp: int, pp: int, case_name: str, quick: bool) -> dict:
     import gc
 
@@ -164,7 +136,7 @@ def worker(*, tp: int, pp: int, case_name: str, quick: bool) -> dict:
     )
     loss_cfg = LossConfig(mode="token-mean")
     gc.collect()
-    sampler = Sampler()
+    sampler = ResidentPeak()
     before = rss()
     model = build_model(model_cfg, ctx, optim=optim, train=train)
     optimizer, scheduler = build_optimizer(optim, model_cfg, model, ctx)

@@ -25,7 +25,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -44,7 +43,8 @@ from _common import (
     write_result,
 )
 
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"}
+from megatron_grpo.testing.memory import MALLOC_ENV, ResidentPeak
+
 BUCKET_MB = 64
 
 
@@ -64,30 +64,6 @@ def model_config(quick: bool):
         max_position_embeddings=512,
         qk_layernorm=True,
     )
-
-
-class _Peak:
-    """This process's resident set, sampled every millisecond while open."""
-
-    def __init__(self) -> None:
-        self.start = self.peak = _rss()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.001):
-            self.peak = max(self.peak, _rss())
-
-    def close(self) -> int:
-        self._stop.set()
-        self._thread.join()
-        return self.peak - self.start
-
-
-def _rss(pid: str = "self") -> int:
-    with open(f"/proc/{pid}/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def _cpu_s(pid: int) -> float:
@@ -127,9 +103,9 @@ def worker(*, tp: int, pp: int, model_cfg, url: str, server_pid: int, repeats: i
     push_once()  # connections open, imports done
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
-    peak = _Peak()
+    peak = ResidentPeak()
     push_once()
-    growth = peak.close()
+    growth = peak.growth()
     shard = sum(p.numel() * p.element_size() for chunk in model for p in chunk.parameters())
     # The baseline's tensors: the whole model on rank 0, gathered only now.
     full = gather_full_state(model, ctx, vocab_size=model_cfg.vocab_size)

@@ -81,3 +81,23 @@ def tiny_qwen2_for(tokenizer, seed: int):
     )
     torch.manual_seed(seed)
     return transformers.Qwen2ForCausalLM(config).float()
+
+
+def perturb_weights(model: list, ctx, cfg, seed: int) -> None:
+    """New weights that are still a sensible model: seeded noise on the full tensors.
+
+    Collective. Made on global rank 0 and loaded by every rank, so that tensors replicated
+    over TP (norms, row-parallel biases) stay equal on all ranks.
+    """
+    import torch.distributed as dist
+
+    from megatron_grpo.mcore.full_state import gather_full_state, load_full_state
+
+    full = gather_full_state(model, ctx, vocab_size=cfg.vocab_size)
+    if full is not None:
+        gen = torch.Generator().manual_seed(seed)
+        full = {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in sorted(full.items())}
+    box = [full]
+    dist.broadcast_object_list(box, src=0)
+    assert box[0] is not None
+    load_full_state(model, box[0], cfg, ctx)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from megatron_grpo.launch import run_workers
-from megatron_grpo.testing import random_hf_model, tiny_hf_config
+from megatron_grpo.testing import perturb_weights, random_hf_model, tiny_hf_config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -26,19 +26,11 @@ METHODS = ("tensor", "disk", "distributed")
 
 
 def _moved(model: list, ctx, cfg, seed: int) -> dict[str, torch.Tensor] | None:
-    """Seeded noise on the full weights, loaded on every rank; the new HF weights on rank 0."""
-    import torch.distributed as dist
-
+    """New weights loaded on every rank; as HF exports them through the full gather, on rank 0."""
     from megatron_grpo.convert.weights import megatron_to_hf
-    from megatron_grpo.mcore.full_state import gather_full_state, load_full_state
+    from megatron_grpo.mcore.full_state import gather_full_state
 
-    full = gather_full_state(model, ctx, vocab_size=cfg.vocab_size)
-    if full is not None:
-        gen = torch.Generator().manual_seed(seed)
-        full = {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in sorted(full.items())}
-    box = [full]
-    dist.broadcast_object_list(box, src=0)
-    load_full_state(model, box[0], cfg, ctx)
+    perturb_weights(model, ctx, cfg, seed)
     exported = gather_full_state(model, ctx, vocab_size=cfg.vocab_size)
     return None if exported is None else megatron_to_hf(exported, cfg, cfg.hf_family)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,38 +22,14 @@ import pytest
 from megatron_grpo.launch import free_port, run_workers
 from megatron_grpo.rollout.servers import http_ok
 from megatron_grpo.testing import random_hf_model, tiny_hf_config
+from megatron_grpo.testing.memory import MALLOC_ENV, ResidentPeak
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(400)]
 
 HERE = Path(__file__)
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"}
 BUCKET_MB = 2
 ALLOWANCE = 16 << 20
 """Python objects, the HTTP client's buffers and the sampler: a fixed few MB."""
-
-
-class _Peak:
-    def __init__(self) -> None:
-        self.peak = self.start = _rss()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.001):
-            self.peak = max(self.peak, _rss())
-
-    def close(self) -> int:
-        self._stop.set()
-        self._thread.join()
-        return self.peak - self.start
-
-
-def _rss() -> int:
-    import os
-
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def push_and_measure(hf_dir: str, url: str) -> dict[str, Any]:
@@ -80,9 +56,9 @@ def push_and_measure(hf_dir: str, url: str) -> dict[str, Any]:
     push(model, "0", runtime)  # clients and groups opened, imports done
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
-    peak = _Peak()
+    peak = ResidentPeak()
     push(model, "1", runtime)
-    growth = peak.close()
+    growth = peak.growth()
     push.close()
     if runtime is not None:
         runtime.close()
@@ -114,7 +90,7 @@ def embedded_server_process(tmp_path):
             if http_ok(f"{url}/health", timeout_s=1.0):
                 break
             assert server.poll() is None, "the embedded server exited"
-            threading.Event().wait(0.1)
+            time.sleep(0.1)
         yield str(tmp_path / "hf"), url
     finally:
         server.terminate()

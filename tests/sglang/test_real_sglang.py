@@ -3,15 +3,15 @@
 Needs ``.venv-sglang`` (``bash scripts/setup_sglang_venv.sh``). One server
 for the module, started through ``rollout.servers`` and registered with a
 real sglang-router, serving a random tiny Qwen2 (hidden 64, 2 layers) with a
-locally made tokenizer; nothing is downloaded. The learner is a TP2 megatron
-model on 2 gloo processes that loads the same HF weights
+locally made tokenizer; nothing is downloaded. The learner is a TP2 x PP2 megatron
+model on 4 gloo processes that loads the same HF weights
 (``workers_sglang.learner_scenario``).
 
 Checked: SGLang's own contract accepts our requests and its answers parse;
 greedy tokens and per-token log-probs of the server equal the learner's
 forward pass; abort mid-generation; generation through the router; and the
-disk, tensor and distributed weight updates from the TP2 learner (after
-each, the server's greedy samples equal the new weights' argmax and their
+disk, tensor and distributed weight updates from both pipeline stages of the learner
+(after each, the server's greedy samples equal the new weights' argmax and their
 log-probs the new weights' log-probs, with weight_version = step). Last,
 once that server is stopped, the trainer itself (``megatron-grpo train``,
 2 processes) launches its own server from ``rollout.launch_command``,
@@ -183,11 +183,11 @@ def server(sglang_python, hf_dir, router, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def learner(server, hf_dir, tmp_path_factory):
-    """The TP2 learner's scenario against the server (see workers_sglang)."""
+    """The TP2 x PP2 learner's scenario against the server (see workers_sglang)."""
     start = time.perf_counter()
-    [result, _] = run_workers(
+    [result, *_] = run_workers(
         f"{WORKERS}:learner_scenario",
-        2,
+        4,
         timeout=400,
         kwargs={
             "hf_dir": str(hf_dir),
@@ -197,7 +197,7 @@ def learner(server, hf_dir, tmp_path_factory):
             "work_dir": str(tmp_path_factory.mktemp("pushed")),
         },
     )
-    print(f"SGLANG-TIER: TP2 learner scenario took {time.perf_counter() - start:.1f} s")
+    print(f"SGLANG-TIER: TP2 x PP2 learner scenario took {time.perf_counter() - start:.1f} s")
     return result
 
 
@@ -262,14 +262,14 @@ def test_requests_and_answers_follow_sglang_contract(server):
 
 
 @pytest.mark.timeout(600)
-def test_greedy_tokens_and_logprobs_equal_the_tp2_learner(learner):
-    assert learner["world"] == 2
+def test_greedy_tokens_and_logprobs_equal_the_tp2_pp2_learner(learner):
+    assert learner["world"] == 4
     assert_matches_learner(learner["phases"]["initial"], "initial HF weights", None)
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("method", ["disk", "tensor", "distributed"])
-def test_weight_update_from_tp2_learner(learner, method):
+def test_weight_update_from_both_stages_of_the_learner(learner, method):
     step = 1 + ["disk", "tensor", "distributed"].index(method)
     rows = learner["phases"][method]
     before = learner["phases"]["initial" if step == 1 else ["disk", "tensor"][step - 2]]
@@ -284,7 +284,7 @@ def test_weight_update_from_tp2_learner(learner, method):
     # ... into exactly the learner's new weights, tagged with the step.
     assert_matches_learner(rows, f"after {method} update", str(step))
     print(f"SGLANG-TIER: {method} push took {learner['push_s'][method]:.2f} s")
-    assert learner["all_reduce"] == 2.0
+    assert learner["all_reduce"] == 4.0
 
 
 @pytest.mark.timeout(120)

@@ -1,9 +1,9 @@
-"""The learner's side of the real-SGLang tier: a TP2 megatron policy talking to one server.
+"""The learner's side of the real-SGLang tier: a TP2 x PP2 megatron policy and one server.
 
-``learner_scenario`` runs on 2 gloo ranks (``run_workers``). Global rank 0
+``learner_scenario`` runs on 4 gloo ranks (``run_workers``). Global rank 0
 is the trainer's main rank: it generates through ``RolloutRuntime`` (attached
-to the server) and pushes weights; every rank takes part in the forward
-passes and the weight gathers. Phases:
+to the server) and opens each weight push; every rank takes part in the forward
+passes, and both pipeline stages send their own layers (``train.weight_push``). Phases:
 
 - ``initial``: the HF weights loaded into the learner; the server serves the
   same checkpoint;
@@ -13,7 +13,7 @@ passes and the weight gathers. Phases:
 
 Each phase records the server's greedy samples and, for the same tokens,
 the learner's per-token log-probs (``vocab_parallel_logprobs`` on the TP
-shards) and argmax (from the TP-gathered logits). Rank 0 returns them.
+shards of the last stage) and argmax (from the TP-gathered logits). Rank 0 returns them.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def _learner_forward(model: list, ctx, tokens: list[int], vocab_size: int) -> di
 
     with torch.no_grad():
         run_schedule(model, ctx, [TokenBatch.of(ids)], keep, forward_only=True)
-    return out
+    return out  # empty before the last stage
 
 
 def _phase(runtime, model, ctx, cfg, rollout_cfg, prompts) -> list[dict[str, Any]]:
@@ -75,27 +75,13 @@ def _phase(runtime, model, ctx, cfg, rollout_cfg, prompts) -> list[dict[str, Any
         start = len(row["prompt"]) - 1  # the position that predicts the first output token
         fwd = _learner_forward(model, ctx, row["prompt"] + row["output"], cfg.vocab_size)
         n = len(row["output"])
-        row["learner_logprobs"] = fwd["logprobs"][start : start + n].tolist()
-        row["learner_argmax"] = fwd["argmax"][start : start + n].tolist()
-    return rows
-
-
-def _perturb(model: list, ctx, cfg, seed: int) -> None:
-    """New weights that are still a sensible model: seeded noise on the full tensors.
-
-    Made on rank 0 and loaded by every rank, so that tensors replicated over
-    TP (norms, row-parallel biases) stay equal on all ranks.
-    """
-    from megatron_grpo.mcore.full_state import gather_full_state, load_full_state
-
-    full = gather_full_state(model, ctx, vocab_size=cfg.vocab_size)
-    if full is not None:
-        gen = torch.Generator().manual_seed(seed)
-        full = {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in sorted(full.items())}
-    box = [full]
-    dist.broadcast_object_list(box, src=0)
-    assert box[0] is not None
-    load_full_state(model, box[0], cfg, ctx)
+        if fwd:
+            row["learner_logprobs"] = fwd["logprobs"][start : start + n].tolist()
+            row["learner_argmax"] = fwd["argmax"][start : start + n].tolist()
+    # The last stage computed them: its rows, on every rank.
+    everyone: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(everyone, rows if ctx.is_last_stage and ctx.tp_rank == 0 else None)
+    return next(r for r in everyone if r is not None)
 
 
 def learner_scenario(
@@ -108,9 +94,10 @@ def learner_scenario(
     from megatron_grpo.mcore.model import build_model
     from megatron_grpo.mcore.parallel import init_parallel
     from megatron_grpo.rollout.runtime import RolloutRuntime
+    from megatron_grpo.testing import perturb_weights
     from megatron_grpo.train.weight_push import WeightPush
 
-    ctx = init_parallel(ParallelDims(tp=2))
+    ctx = init_parallel(ParallelDims(tp=2, pp=2))
     cfg = resolve_hf_model(hf_dir)
     model = build_model(cfg, ctx, wrap_ddp=False)
     load_full_state(model, MegatronView(HFCheckpoint(hf_dir), cfg), cfg, ctx)
@@ -135,7 +122,7 @@ def learner_scenario(
     if runtime is not None:
         runtime.close()
     for step, method in enumerate(METHODS, start=1):
-        _perturb(model, ctx, cfg, seed=step)
+        perturb_weights(model, ctx, cfg, seed=step)
         method_cfg = rollout_cfg(method)
         runtime = RolloutRuntime(method_cfg, model_cfg=cfg) if ctx.is_main else None
         push = WeightPush(cfg, method_cfg, ctx, main_sender=runtime.sender if runtime else None)
