@@ -176,9 +176,24 @@ class RewardConfig:
     """remote: POST {"batch": [...]} with up to this many samples and read a list of
     rewards from remote_field; None sends one request per sample."""
     custom_function: str | None = None
-    """custom: ``package.module:function`` taking (response, label, metadata) -> float."""
+    """custom: ``package.module:function`` taking (response, label, metadata) -> float;
+    an ``async def`` one is awaited for many samples at once (max_concurrency)."""
     on_error: Literal["fail", "zero"] = "fail"
-    """When a reward function raises or returns a non-finite value: stop the run, or score 0."""
+    """When a reward function raises, runs past timeout_s or returns a non-finite value:
+    stop the run, or score 0."""
+    math_timeout_s: int = 5
+    """math: math-verify's own limit, in whole seconds, on parsing an answer and on each
+    comparison; an answer past it counts as wrong (not as an error)."""
+    num_workers: int = 0
+    """Score with a synchronous reward function (math, exact_match, format, custom) in this
+    many worker processes instead of one sample after another in the trainer; a worker
+    still busy after timeout_s is killed. The function must be importable by its worker."""
+    timeout_s: float = 60.0
+    """Limit for one sample's reward in a worker process (num_workers > 0) or of an async
+    custom function; past it the sample is a reward error (see on_error)."""
+    max_concurrency: int = 64
+    """An async custom function (``async def``) is awaited for up to this many samples at
+    once; so is the remote reward when it sends one request per sample."""
 
     def __post_init__(self) -> None:
         if self.type == "format" or self.format_weight != 0:
@@ -208,6 +223,15 @@ class RewardConfig:
             )
         if self.remote_batch_size is not None and self.remote_batch_size < 1:
             raise ValueError(f"reward.remote_batch_size must be >= 1, got {self.remote_batch_size}")
+        if self.math_timeout_s < 1:
+            raise ValueError(f"reward.math_timeout_s must be >= 1, got {self.math_timeout_s}")
+        if self.num_workers < 0:
+            raise ValueError(f"reward.num_workers must be >= 0, got {self.num_workers}")
+        if self.timeout_s <= 0 or self.max_concurrency < 1:
+            raise ValueError(
+                "reward.timeout_s must be > 0 and reward.max_concurrency >= 1, "
+                f"got {self.timeout_s}, {self.max_concurrency}"
+            )
         if self.type == "custom":
             module, sep, name = (self.custom_function or "").partition(":")
             if not (module and sep and name):
