@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
-DATA_SUFFIXES = (".jsonl", ".parquet")
+DATA_SUFFIXES = (".jsonl", ".parquet", ".arrow")
+"""Data files by suffix; a path without a suffix (or an existing directory) is a saved
+Hugging Face dataset folder."""
 
 
 @dataclass(kw_only=True)
@@ -104,7 +107,10 @@ class DataConfig:
     """Where the prompts come from and how they become token ids."""
 
     path: str | list[str] = field(default_factory=list)
-    """A .jsonl or .parquet file, or a list of them (read in order)."""
+    """A .jsonl, .parquet or .arrow file or a folder written by Hugging Face datasets'
+    ``save_to_disk``, or a list of them (read in order)."""
+    split: str = "train"
+    """The split to read from a folder that holds a ``DatasetDict``."""
     prompt_key: str = "prompt"
     """Column holding the prompt: a string, or a list of {role, content} messages."""
     label_key: str = "label"
@@ -124,8 +130,11 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         for p in self.paths:
-            if not p.endswith(DATA_SUFFIXES):
-                raise ValueError(f"data.path {p!r} must end in .jsonl or .parquet")
+            if Path(p).suffix and not p.endswith(DATA_SUFFIXES) and not Path(p).is_dir():
+                raise ValueError(
+                    f"data.path {p!r} must end in .jsonl, .parquet or .arrow, or be a saved "
+                    "dataset folder"
+                )
         if not self.prompt_key:
             raise ValueError("data.prompt_key must not be empty")
         if self.max_prompt_length is not None and self.max_prompt_length < 1:
