@@ -242,4 +242,5 @@ class _RolloutSide:
 
     def close(self) -> None:
         if self.ctx.is_main:
+            self.scorer.close()  # its worker processes, if any
             self.runtime.close()
