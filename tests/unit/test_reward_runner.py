@@ -40,6 +40,9 @@ def sync_length(response, label, metadata):
         time.sleep(600)  # as stuck as C code that no signal interrupts
     if response == "boom":
         raise ZeroDivisionError("boom!")
+    if response == "die":
+        import os
+        os._exit(3)  # a crash in C code, or the OS killing it
     return len(response)
 """
 
@@ -105,6 +108,17 @@ def test_worker_processes_kill_a_stuck_sample(module):
         # The killed worker was replaced: the next batch uses both workers again.
         assert s.score(["xy", "xyz"], [None] * 2, [{}] * 2).rewards == [2.0, 3.0]
         assert len(s.runner.pool._workers) == 2
+    finally:
+        s.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_that_dies_fails_its_sample_only(module):
+    s = scorer(module, "sync_length", num_workers=1, on_error="zero")
+    try:
+        result = s.score(["ab", "die", "abc"], [None] * 3, [{}] * 3)
+        assert result.rewards == [2.0, 0.0, 3.0]
+        assert result.errors == ["sample 1: RuntimeError: reward worker process died (exit code 3)"]
     finally:
         s.close()
 
