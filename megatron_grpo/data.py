@@ -1,4 +1,7 @@
-"""Prompt datasets: rows from jsonl / parquet files, tokenized once, sampled by seeded epochs.
+"""Prompt datasets: rows from files or saved datasets, tokenized once, sampled by seeded epochs.
+
+Rows come from jsonl, parquet and Arrow files and saved Hugging Face dataset
+folders (data_files.py).
 
 ``PromptDataset`` reads every row up front, applies the chat template,
 tokenizes, and keeps the prompts that fit ``max_prompt_length``. A bad row is
@@ -13,9 +16,8 @@ resumed run draws exactly the batches the uninterrupted run would have.
 
 from __future__ import annotations
 
-import json
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -23,6 +25,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from megatron_grpo.config import DataConfig
+from megatron_grpo.data_files import RowError, read_rows
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -45,54 +48,11 @@ class PromptItem:
 
 
 class Problem(NamedTuple):
-    """A row that was skipped; ``line`` is the 1-based line (jsonl) or row (parquet)."""
+    """A row that was skipped; ``line`` is the 1-based line (jsonl) or row (the others)."""
 
     file: str
     line: int
     reason: str
-
-
-class RowError(ValueError):
-    """A row cannot be used; the message says why."""
-
-
-# --------------------------------------------------------------------------- reading
-
-
-def read_rows(path: str) -> Iterator[tuple[int, dict[str, Any] | RowError]]:
-    """``(line, row)`` for each row of a file, or ``(line, RowError)`` for an unreadable one."""
-    if path.endswith(".parquet"):
-        yield from _read_parquet(path)
-    else:
-        yield from _read_jsonl(path)
-
-
-def _read_jsonl(path: str) -> Iterator[tuple[int, dict[str, Any] | RowError]]:
-    # Binary mode: a text-mode reader would fail the whole file on the first bad byte.
-    with open(path, "rb") as f:
-        for line_no, raw in enumerate(f, start=1):
-            if not raw.strip():
-                continue
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                yield line_no, RowError(f"invalid UTF-8 at byte {e.start}")
-                continue
-            try:
-                row = json.loads(text)
-            except json.JSONDecodeError as e:
-                yield line_no, RowError(f"invalid JSON: {e.msg} at column {e.colno}")
-                continue
-            if not isinstance(row, dict):
-                yield line_no, RowError(f"expected a JSON object, got {type(row).__name__}")
-                continue
-            yield line_no, row
-
-
-def _read_parquet(path: str) -> Iterator[tuple[int, dict[str, Any] | RowError]]:
-    import pyarrow.parquet as pq  # only parquet users need pyarrow
-
-    yield from enumerate(pq.read_table(path).to_pylist(), start=1)
 
 
 # --------------------------------------------------------------------------- prompts
@@ -177,7 +137,10 @@ class PromptDataset:
         """``first_only`` stops at the first usable prompt: a check that the files hold one,
         which raises as a full read would when they hold none."""
         if not config.paths:
-            raise ValueError("data.path is empty: give a .jsonl or .parquet file")
+            raise ValueError(
+                "data.path is empty: give a .jsonl, .parquet or .arrow file or a saved "
+                "dataset folder"
+            )
         if config.apply_chat_template and not getattr(tokenizer, "chat_template", None):
             raise ValueError(
                 "data.apply_chat_template is true but the tokenizer has no chat_template"
@@ -188,9 +151,9 @@ class PromptDataset:
         self.num_too_long = 0
         num_rows = 0
         for path in config.paths:
-            if not Path(path).is_file():
+            if not Path(path).exists():
                 raise ValueError(f"data.path {path!r} does not exist")
-            for line, row in read_rows(path):
+            for line, row in read_rows(path, config):
                 num_rows += 1
                 try:
                     if isinstance(row, RowError):

@@ -4,7 +4,8 @@ Only the main rank writes. On a terminal a progress bar over the steps sits
 below the step lines; when the output goes to a file or a pipe there is no
 bar, and each step's line carries the step count and the elapsed and
 remaining time instead. ``plot_run`` draws the reward and length curves of a
-run directory's ``metrics.jsonl`` to PNG files.
+run directory's ``metrics.jsonl`` to PNG files, the held-out sets' pass@k
+(``eval/<set>/pass@<k>``) beside the training reward.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ STDOUT_KEYS = (
     "train/logprob_mismatch",
     "perf/train_tokens_per_s",
 )
-"""Shown on each step's line, by the name after the namespace."""
+"""Shown on each step's line, by the name after the namespace (and each held-out set's
+``eval/<set>/pass@1`` when the step has one)."""
 
 
 def namespaced(namespace: str, metrics: dict[str, Any]) -> dict[str, Any]:
@@ -68,13 +70,15 @@ class MetricsLogger:
         if total_steps is not None:
             self._progress = _Progress(total_steps, start_step)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        truncate_metrics(self.path, start_step)
+        # A run from step 0 starts afresh: its step-0 row (the initial evaluation) comes again.
+        first_new_step = start_step + 1 if start_step else 0
+        truncate_metrics(self.path, first_new_step - 1)
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            # TensorBoard drops the events of the steps after start_step (run again now).
+            # TensorBoard drops the events of the steps that are run again now.
             self._tb = SummaryWriter(
-                str(Path(output_dir) / "tensorboard"), purge_step=start_step + 1
+                str(Path(output_dir) / "tensorboard"), purge_step=first_new_step
             )
         if cfg.wandb_project:
             try:
@@ -142,6 +146,13 @@ class _Progress:
             )
 
     def show(self, step: int, metrics: dict[str, Any]) -> None:
+        if step <= self.start_step:  # the evaluation before the first step: no step done
+            line = format_line(step, metrics, total_steps=self.total_steps)
+            if self._bar is not None:
+                self._bar.write(line)
+            else:
+                print(line, flush=True)
+            return
         if self._bar is not None:
             self._bar.write(format_line(step, metrics))
             self._bar.update(1)
@@ -169,7 +180,8 @@ def _times(elapsed_s: float, steps_done: int, steps_left: int) -> str:
 def format_line(step: int, metrics: dict[str, Any], *, total_steps: int | None = None) -> str:
     """``step    3 | reward_mean 0.5 | ...``; with ``total_steps``, ``step    3/40 | ...``."""
     parts = [f"step {step:>4}" + (f"/{total_steps}" if total_steps is not None else "")]
-    for k in STDOUT_KEYS:
+    held_out = sorted(k for k in metrics if k.startswith("eval/") and k.endswith("/pass@1"))
+    for k in (*STDOUT_KEYS, *held_out):
         v = metrics.get(k)
         if isinstance(v, int | float) and not math.isnan(v):
             parts.append(f"{k.partition('/')[2]} {v:.4g}")
@@ -225,10 +237,21 @@ PLOTS = {
     "reward.png": ("rollout/reward_mean", "reward (mean over samples)"),
     "response_length.png": ("rollout/response_length_mean", "response length (tokens)"),
 }
+"""One figure per training metric; held-out pass@k curves join the reward's."""
+
+
+def curves(rows: list[dict[str, Any]], key: str) -> dict[str, list[tuple[int, float]]]:
+    """The ``(step, value)`` series drawn in ``key``'s figure, by legend label: the key
+    itself, and for the reward every ``eval/<set>/pass@<k>`` of the run."""
+    keys = [key]
+    if key == PLOTS["reward.png"][0]:
+        keys += sorted({k for r in rows for k in r if k.startswith("eval/") and "/pass@" in k})
+    out = {k: [(r["step"], r[k]) for r in rows if k in r] for k in keys}
+    return {k: points for k, points in out.items() if points}
 
 
 def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Path]:
-    """Reward and length curves of a run to PNG; returns the files written."""
+    """Reward (with held-out pass@k) and length curves of a run to PNG; the files written."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -239,11 +262,14 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
     out.mkdir(parents=True, exist_ok=True)
     written = []
     for filename, (key, label) in PLOTS.items():
-        points = [(r["step"], r[key]) for r in rows if key in r]
-        if not points:
+        series = curves(rows, key)
+        if key not in series:
             continue
         fig, ax = plt.subplots(figsize=(6, 3.5))
-        ax.plot(*zip(*points), marker="o", markersize=3)
+        for name, points in series.items():
+            ax.plot(*zip(*points), marker="o", markersize=3, label=name)
+        if len(series) > 1:
+            ax.legend(fontsize=7)
         ax.set_xlabel("step")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)

@@ -94,6 +94,10 @@ def main() -> None:
     with (out / "train.jsonl").open("w") as f:
         for prompt, label in train_rows:
             f.write(json.dumps({"prompt": prompt, "label": label}) + "\n")
+    held_out = problems(args.seed + 1, 200)
+    with (out / "eval.jsonl").open("w") as f:  # for eval.datasets
+        for prompt, label in held_out[:64]:
+            f.write(json.dumps({"prompt": prompt, "label": label}) + "\n")
     tokenizer = char_tokenizer([p + a for p, a in train_rows])
 
     model = tiny_qwen2_for(tokenizer, args.seed)
@@ -102,9 +106,7 @@ def main() -> None:
     tokenizer.save_pretrained(out / "model")
     # Measured on the saved model and tokenizer: what the trainer will start from.
     saved = AutoModelForCausalLM.from_pretrained(out / "model").float().eval()
-    acc = greedy_accuracy(
-        saved, AutoTokenizer.from_pretrained(out / "model"), problems(args.seed + 1, 200)
-    )
+    acc = greedy_accuracy(saved, AutoTokenizer.from_pretrained(out / "model"), held_out)
     (out / "warmup.json").write_text(
         json.dumps({"greedy_accuracy": acc, "steps": args.warmup_steps})
     )

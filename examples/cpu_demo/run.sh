@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 ASSETS=runs/cpu_demo/assets
-if [ ! -f "$ASSETS/model/config.json" ]; then
+if [ ! -f "$ASSETS/model/config.json" ] || [ ! -f "$ASSETS/eval.jsonl" ]; then
   python examples/cpu_demo/prepare.py --out "$ASSETS" --warmup-steps 100
 fi
 megatron-grpo train --config examples/cpu_demo/grpo.yaml --nproc 2 "$@"

@@ -9,6 +9,7 @@ field, checked when built:
   ``config.json``: config/hf.py
 - ``optim``, ``loss``, ``train``: config/learner.py
 - ``rollout``, ``data``, ``reward``, ``advantages``: config/rollout.py
+- ``eval``: config/eval.py
 - ``metrics`` and the run as a whole: here.
 """
 
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megatron_grpo.config.eval import EvalConfig, EvalDatasetConfig
 from megatron_grpo.config.init_model import fill_model_section
 from megatron_grpo.config.learner import (
     MODES,
@@ -42,6 +44,8 @@ __all__ = [
     "AdvantageConfig",
     "Config",
     "DataConfig",
+    "EvalConfig",
+    "EvalDatasetConfig",
     "LossConfig",
     "MetricsConfig",
     "Mode",
@@ -93,6 +97,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def __post_init__(self) -> None:
         rollout_batch = self.rollout.prompts_per_step * self.rollout.samples_per_prompt
@@ -108,6 +113,8 @@ class Config:
                 f"rollout.samples_per_prompt={self.rollout.samples_per_prompt}: "
                 "a prompt group must not be split across optimizer steps"
             )
+        if self.eval.enabled and self.rollout.replay_dir is not None:
+            raise ValueError("eval.datasets needs rollout engines: unset rollout.replay_dir")
         longest = (self.data.max_prompt_length or 0) + self.rollout.max_new_tokens
         if (
             self.data.max_prompt_length is not None
@@ -118,10 +125,12 @@ class Config:
                 "below the longest sample, data.max_prompt_length + rollout.max_new_tokens = "
                 f"{longest}"
             )
+        longest = max(longest, (self.data.max_prompt_length or 0) + (self.eval.max_new_tokens or 0))
         if longest > self.model.max_position_embeddings:
             raise ValueError(
                 f"model.max_position_embeddings={self.model.max_position_embeddings} is below "
-                f"data.max_prompt_length + rollout.max_new_tokens = {longest}"
+                f"data.max_prompt_length + rollout.max_new_tokens (or eval.max_new_tokens) = "
+                f"{longest}"
             )
 
 

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
-DATA_SUFFIXES = (".jsonl", ".parquet")
+DATA_SUFFIXES = (".jsonl", ".parquet", ".arrow")
+"""Data files by suffix; a path without a suffix (or an existing directory) is a saved
+Hugging Face dataset folder."""
 
 
 @dataclass(kw_only=True)
@@ -111,7 +114,10 @@ class DataConfig:
     """Where the prompts come from and how they become token ids."""
 
     path: str | list[str] = field(default_factory=list)
-    """A .jsonl or .parquet file, or a list of them (read in order)."""
+    """A .jsonl, .parquet or .arrow file or a folder written by Hugging Face datasets'
+    ``save_to_disk``, or a list of them (read in order)."""
+    split: str = "train"
+    """The split to read from a folder that holds a ``DatasetDict``."""
     prompt_key: str = "prompt"
     """Column holding the prompt: a string, or a list of {role, content} messages."""
     label_key: str = "label"
@@ -131,8 +137,11 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         for p in self.paths:
-            if not p.endswith(DATA_SUFFIXES):
-                raise ValueError(f"data.path {p!r} must end in .jsonl or .parquet")
+            if Path(p).suffix and not p.endswith(DATA_SUFFIXES) and not Path(p).is_dir():
+                raise ValueError(
+                    f"data.path {p!r} must end in .jsonl, .parquet or .arrow, or be a saved "
+                    "dataset folder"
+                )
         if not self.prompt_key:
             raise ValueError("data.prompt_key must not be empty")
         if self.max_prompt_length is not None and self.max_prompt_length < 1:
@@ -183,9 +192,24 @@ class RewardConfig:
     """remote: POST {"batch": [...]} with up to this many samples and read a list of
     rewards from remote_field; None sends one request per sample."""
     custom_function: str | None = None
-    """custom: ``package.module:function`` taking (response, label, metadata) -> float."""
+    """custom: ``package.module:function`` taking (response, label, metadata) -> float;
+    an ``async def`` one is awaited for many samples at once (max_concurrency)."""
     on_error: Literal["fail", "zero"] = "fail"
-    """When a reward function raises or returns a non-finite value: stop the run, or score 0."""
+    """When a reward function raises, runs past timeout_s or returns a non-finite value:
+    stop the run, or score 0."""
+    math_timeout_s: int = 5
+    """math: math-verify's own limit, in whole seconds, on parsing an answer and on each
+    comparison; an answer past it counts as wrong (not as an error)."""
+    num_workers: int = 0
+    """Score with a synchronous reward function (math, exact_match, format, custom) in this
+    many worker processes instead of one sample after another in the trainer; a worker
+    still busy after timeout_s is killed. The function must be importable by its worker."""
+    timeout_s: float = 60.0
+    """Limit for one sample's reward in a worker process (num_workers > 0) or of an async
+    custom function; past it the sample is a reward error (see on_error)."""
+    max_concurrency: int = 64
+    """An async custom function (``async def``) is awaited for up to this many samples at
+    once; so is the remote reward when it sends one request per sample."""
 
     def __post_init__(self) -> None:
         if self.type == "format" or self.format_weight != 0:
@@ -215,6 +239,15 @@ class RewardConfig:
             )
         if self.remote_batch_size is not None and self.remote_batch_size < 1:
             raise ValueError(f"reward.remote_batch_size must be >= 1, got {self.remote_batch_size}")
+        if self.math_timeout_s < 1:
+            raise ValueError(f"reward.math_timeout_s must be >= 1, got {self.math_timeout_s}")
+        if self.num_workers < 0:
+            raise ValueError(f"reward.num_workers must be >= 0, got {self.num_workers}")
+        if self.timeout_s <= 0 or self.max_concurrency < 1:
+            raise ValueError(
+                "reward.timeout_s must be > 0 and reward.max_concurrency >= 1, "
+                f"got {self.timeout_s}, {self.max_concurrency}"
+            )
         if self.type == "custom":
             module, sep, name = (self.custom_function or "").partition(":")
             if not (module and sep and name):

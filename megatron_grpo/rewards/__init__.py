@@ -1,21 +1,18 @@
 """Reward functions for GRPO.
 
-A reward function is ``fn(response_text, label, item_metadata) -> float``.
-``RewardScorer(RewardConfig(...)).score(responses, labels, metadatas)`` picks
-one from the config and scores a batch, handling failures per sample.
+A reward function is ``fn(response_text, label, item_metadata) -> float``, or an
+``async def`` of the same. ``RewardScorer(RewardConfig(...)).score(responses,
+labels, metadatas)`` picks one from the config and scores a batch (async ones
+concurrently, sync ones inline or in worker processes), handling failures per
+sample.
 """
 
 from megatron_grpo.config import RewardConfig, RewardType
 from megatron_grpo.rewards.custom import load_function
-from megatron_grpo.rewards.math_answer import (
-    answers_match,
-    extract_answer,
-    extract_boxed,
-    last_number,
-    math_reward,
-    parse_number,
-)
+from megatron_grpo.rewards.math_answer import MathReward, extract_boxed, math_reward
+from megatron_grpo.rewards.pool import RewardTimeout, WorkerPool
 from megatron_grpo.rewards.remote import RemoteReward, RemoteRewardError
+from megatron_grpo.rewards.runner import RewardRunner
 from megatron_grpo.rewards.scorer import (
     RewardError,
     RewardFn,
@@ -27,21 +24,21 @@ from megatron_grpo.rewards.text import FormatReward, exact_match
 
 __all__ = [
     "FormatReward",
+    "MathReward",
     "RemoteReward",
     "RemoteRewardError",
     "RewardConfig",
     "RewardError",
     "RewardFn",
+    "RewardRunner",
     "RewardScorer",
     "RewardType",
+    "RewardTimeout",
     "ScoreResult",
-    "answers_match",
+    "WorkerPool",
     "build_reward_function",
     "exact_match",
-    "extract_answer",
     "extract_boxed",
-    "last_number",
     "load_function",
     "math_reward",
-    "parse_number",
 ]

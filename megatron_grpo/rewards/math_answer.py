@@ -1,50 +1,29 @@
-"""Math answer verification: pull the final answer out of a response and compare it to the label.
+"""Math answer verification with the math-verify library.
 
-The answer is the content of the last balanced ``\\boxed{...}``, else the last
-number in the text. Numbers are compared exactly as fractions (so ``0.5`` equals
-``1/2`` and ``\\frac{1}{2}``), with a relative tolerance for rounded decimals;
-anything that is not a number is compared as a normalized string.
+The final answer is the last balanced ``\\boxed{...}`` of the response; without
+one, math-verify finds it in the text ("the answer is ...", else the last LaTeX
+or plain expression). The label is parsed the same way, inside ``$...$`` when it
+has neither a box nor a dollar sign. math-verify compares the two as sympy
+objects: numbers (rounded to 6 decimals), fractions, LaTeX, intervals, sets,
+matrices, ``x = 5`` against ``5``, thousands separators, with units, ``\\text{}``
+and degree signs dropped. An answer it cannot read as maths (a word, a choice
+letter) still scores when its text, without markup or spaces, equals the label's.
+
+math-verify gives up parsing, and each comparison, after ``timeout_s`` whole
+seconds, and the answer then counts as wrong. Its limit is ``signal.alarm``,
+which works only in a process's main thread: the trainer's scorer, or a reward
+worker process (``reward.num_workers``), never a thread of its own.
 """
 
 from __future__ import annotations
 
+import functools
 import re
-from fractions import Fraction
+import threading
 from typing import Any
 
-REL_TOL = Fraction(1, 10**6)
-"""Relative tolerance for numbers: a rounded 0.333333 still equals 1/3."""
-
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
-
-# A sign counts only where it cannot be a binary minus: "3-5" ends in 5, not -5.
-_SIGN = r"(?:(?<![\w)\]}])[-+])?"
-_NUMBER = re.compile(
-    rf"{_SIGN}(?:\d{{1,3}}(?:,\d{{3}})+(?!\d)|\d+)(?:\.\d+)?(?:/\d+(?:\.\d+)?)?"
-    rf"|{_SIGN}\.\d+"
-)
-_PLAIN_NUMBER = re.compile(r"[-+]?\s*(?:\d{1,3}(?:,\d{3})+|\d*)(?:\.\d*)?(?:[eE][-+]?\d+)?")
-_LATEX_FRAC = re.compile(r"([-+]?)\\frac\s*\{([^{}]+)\}\s*\{([^{}]+)\}")
-_SLASH_FRAC = re.compile(r"([^/]+)/([^/]+)")
 _TEXT_CMD = re.compile(r"\\(?:text|textbf|textrm|mathrm|mbox)\s*\{([^{}]*)\}")
-_ASSIGNMENT = re.compile(r"^[a-zA-Z]\w*\s*=\s*")
-
-# Markup that never changes the value; "{,}" and "\," are LaTeX thousands separators.
-_NOISE = (
-    "\\left",
-    "\\right",
-    "\\displaystyle",
-    "\\!",
-    "\\,",
-    "\\;",
-    "{,}",
-    "^{\\circ}",
-    "^\\circ",
-    "\\%",
-    "%",
-    "\\$",
-    "$",
-)
 
 
 def extract_boxed(text: str) -> str | None:
@@ -62,74 +41,63 @@ def extract_boxed(text: str) -> str | None:
     return None
 
 
-def last_number(text: str) -> str | None:
-    """The last number in the text (integer, decimal, ``1,000`` or ``a/b``), as written."""
-    matches = _NUMBER.findall(text)
-    return matches[-1] if matches else None
-
-
-def extract_answer(response: str) -> str | None:
-    """The final answer of a response: the last boxed expression, else the last number."""
-    boxed = extract_boxed(response)
-    return boxed if boxed is not None else last_number(response)
-
-
-def _strip_markup(text: str, *, drop_text: bool) -> str:
-    """Text without value-neutral markup; ``\\text{..}`` is unwrapped, or dropped (units)."""
-    text = _TEXT_CMD.sub("" if drop_text else r"\1", text)
-    for token in _NOISE:
-        text = text.replace(token, "")
-    text = text.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
-    text = text.replace("\u2212", "-")  # Unicode minus sign
-    return text.strip().rstrip(".").strip()
-
-
-def _plain_number(text: str) -> Fraction | None:
-    text = text.strip()
-    if not _PLAIN_NUMBER.fullmatch(text) or not any(c.isdigit() for c in text):
-        return None
-    return Fraction(text.replace(",", "").replace(" ", ""))
-
-
-def _number(text: str) -> Fraction | None:
-    text = _ASSIGNMENT.sub("", text)
-    if m := _LATEX_FRAC.fullmatch(text):
-        sign, num, den = m.group(1), _plain_number(m.group(2)), _plain_number(m.group(3))
-    elif m := _SLASH_FRAC.fullmatch(text):
-        sign, num, den = "", _plain_number(m.group(1)), _plain_number(m.group(2))
-    else:
-        return _plain_number(text)
-    if num is None or den is None or den == 0:
-        return None
-    return -num / den if sign == "-" else num / den
-
-
-def parse_number(text: str) -> Fraction | None:
-    """The exact value of a numeric answer, or None if it is not a plain number."""
-    value = _number(_strip_markup(text, drop_text=False))
-    if value is None:  # maybe a number followed by a unit: "5\text{ cm}"
-        value = _number(_strip_markup(text, drop_text=True))
-    return value
-
-
 def normalize_text(text: str) -> str:
-    """A non-numeric answer for string comparison: no markup, no whitespace, no final period."""
-    return "".join(_strip_markup(text, drop_text=False).split())
+    """An answer as text: ``\\text{..}`` unwrapped, no whitespace, no final period."""
+    text = _TEXT_CMD.sub(r"\1", text)
+    return "".join(text.split()).rstrip(".")
 
 
-def answers_match(answer: str, label: Any) -> bool:
-    """Whether an extracted answer equals the label, numerically or as normalized text."""
-    label_text = str(label)
-    label_text = extract_boxed(label_text) or label_text
-    a, b = parse_number(answer), parse_number(label_text)
-    if a is not None and b is not None:
-        return abs(a - b) <= REL_TOL * max(abs(a), abs(b))
-    return normalize_text(answer) == normalize_text(label_text)
+def _as_latex(text: str) -> str:
+    """A bare answer (``\\frac{1}{2}``, ``1,000``) in the dollars math-verify looks for."""
+    return text if "$" in text or _BOXED.search(text) else f"${text}$"
 
 
-def math_reward(response: str, label: Any, metadata: dict[str, Any]) -> float:
-    """1.0 when the response's final answer equals the label, else 0.0."""
-    if label is None:
-        raise ValueError("the math reward needs a label")
-    answer = extract_answer(response)
-    return 1.0 if answer is not None and answers_match(answer, label) else 0.0
+def _parse(text: str, timeout_s: int) -> list[Any]:
+    from math_verify import parse
+
+    return parse(text, parsing_timeout=timeout_s)
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_label(label: str, timeout_s: int) -> list[Any]:
+    """A label's parse: every sample of a group has the same label (sympy objects are
+    immutable, so sharing them is safe)."""
+    return _parse(_as_latex(label), timeout_s)
+
+
+class MathReward:
+    """``(response, label, metadata) -> 1.0 | 0.0``: whether the final answer equals the label.
+
+    A class (not a closure) so that reward worker processes can receive it pickled.
+    """
+
+    def __init__(self, *, timeout_s: int = 5) -> None:
+        if timeout_s < 1:
+            raise ValueError(f"math-verify's time limit must be >= 1 s, got {timeout_s}")
+        self.timeout_s = timeout_s
+
+    def __call__(self, response: str, label: Any, metadata: dict[str, Any] | None = None) -> float:
+        if label is None:
+            raise ValueError("the math reward needs a label")
+        if threading.current_thread() is not threading.main_thread():
+            raise ValueError(
+                "the math reward must run in a main thread: math-verify's time limit is "
+                "signal.alarm (use reward.num_workers for worker processes)"
+            )
+        return 1.0 if self.matches(response, str(label)) else 0.0
+
+    def matches(self, response: str, label: str) -> bool:
+        from math_verify import verify
+
+        label = extract_boxed(label) or label
+        boxed = extract_boxed(response)
+        # Only the last box: math-verify would read "\boxed{7} ... \boxed{8}" as {7, 8}.
+        answer = _parse(response if boxed is None else f"\\boxed{{{boxed}}}", self.timeout_s)
+        gold = _parse_label(label, self.timeout_s)
+        if answer and gold and verify(gold, answer, timeout_seconds=self.timeout_s):
+            return True
+        return boxed is not None and normalize_text(boxed) == normalize_text(label)
+
+
+math_reward = MathReward()
+"""The math reward with math-verify's default 5 s time limits."""

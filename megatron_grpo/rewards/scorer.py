@@ -1,30 +1,34 @@
 """``RewardScorer``: a batch of responses in, one finite reward per response out.
 
-A reward function that raises, or returns something that is not a finite
-number, is an error of that sample: logged with its index and the start of
-the response, then either fatal (``on_error="fail"``, a ``RewardError``) or
-scored 0.0 and counted (``on_error="zero"``).
+The main function runs as rewards/runner.py says: an async one concurrently,
+a sync one inline or in worker processes (``reward.num_workers``). A reward
+function that raises, runs past ``reward.timeout_s``, or returns something that
+is not a finite number, is an error of that sample: logged with its index and
+the start of the response, then either fatal (``on_error="fail"``, a
+``RewardError``) or scored 0.0 and counted (``on_error="zero"``).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import numbers
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from megatron_grpo.config import RewardConfig
 from megatron_grpo.rewards.custom import load_function
-from megatron_grpo.rewards.math_answer import math_reward
+from megatron_grpo.rewards.math_answer import MathReward
 from megatron_grpo.rewards.remote import RemoteReward
+from megatron_grpo.rewards.runner import RewardRunner
 from megatron_grpo.rewards.text import FormatReward, exact_match
 
 logger = logging.getLogger(__name__)
 
-RewardFn = Callable[[str, Any, dict[str, Any]], float]
-"""``(response_text, label, item_metadata) -> reward``."""
+RewardFn = Callable[[str, Any, dict[str, Any]], float | Awaitable[float]]
+"""``(response_text, label, item_metadata) -> reward``, or an async function of the same."""
 
 
 class RewardError(RuntimeError):
@@ -59,13 +63,11 @@ def format_reward(config: RewardConfig) -> FormatReward:
 
 def build_reward_function(config: RewardConfig) -> RewardFn:
     """The main reward function of a config (imports a custom one: may raise ValueError)."""
+    # Module-level callables only: a worker process receives the function pickled.
     if config.type == "math":
-        return math_reward
+        return MathReward(timeout_s=config.math_timeout_s)
     if config.type == "exact_match":
-        case_sensitive = config.case_sensitive
-        return lambda response, label, metadata: exact_match(
-            response, label, case_sensitive=case_sensitive
-        )
+        return functools.partial(exact_match, case_sensitive=config.case_sensitive)
     if config.type == "format":
         return format_reward(config)
     if config.type == "remote":
@@ -98,6 +100,15 @@ class RewardScorer:
         self.config = config
         self.reward_fn = build_reward_function(config)
         self.format_fn = format_reward(config) if config.format_weight != 0 else None
+        remote = isinstance(self.reward_fn, RemoteReward)
+        self.runner = RewardRunner(
+            self.reward_fn.score_async
+            if isinstance(self.reward_fn, RemoteReward)
+            else self.reward_fn,
+            max_concurrency=config.max_concurrency,
+            num_workers=config.num_workers,
+            timeout_s=None if remote else config.timeout_s,  # a remote reward has its own
+        )
 
     def _main_values(
         self,
@@ -118,12 +129,7 @@ class RewardScorer:
                 except Exception as e:  # a failed request fails each of its samples
                     values += [e] * len(responses[part])
             return values
-        for response, label, metadata in zip(responses, labels, metadatas, strict=True):
-            try:
-                values.append(self.reward_fn(response, label, metadata))
-            except Exception as e:
-                values.append(e)
-        return values
+        return self.runner.run(list(zip(responses, labels, metadatas, strict=True)))
 
     def _total(self, response: str, value: object) -> float:
         if isinstance(value, Exception):
@@ -164,3 +170,7 @@ class RewardScorer:
                 errors.append(f"sample {index}: {type(e).__name__}: {e}")
             rewards.append(0.0)
         return ScoreResult(rewards=rewards, num_errors=len(errors), errors=errors)
+
+    def close(self) -> None:
+        """Stop the worker processes, if any."""
+        self.runner.close()

@@ -10,7 +10,9 @@ def normalize_whitespace(text: str) -> str:
     return " ".join(text.split())
 
 
-def exact_match(response: str, label: Any, *, case_sensitive: bool = True) -> float:
+def exact_match(
+    response: str, label: Any, metadata: Any = None, *, case_sensitive: bool = True
+) -> float:
     """1.0 when the response equals the label up to whitespace (and case, if asked)."""
     if label is None:
         raise ValueError("the exact_match reward needs a label")

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_grpo.config import Config, dump_config, to_dict
+from megatron_grpo.eval import runner as evaluation
 from megatron_grpo.mcore.layers import have_transformer_engine
 from megatron_grpo.mcore.model import build_model, sync_params
 from megatron_grpo.mcore.optim import build_optimizer
@@ -86,6 +87,9 @@ def _train(cfg: Config, ctx) -> None:
         start_step=start_step,
     )
     try:
+        evaluator = evaluation.build(cfg, rollout, ctx)
+        if start_step == 0 and (initial := evaluation.maybe_run(evaluator, cfg, 0)):
+            logger.log(0, namespaced("eval", initial))
         for step in range(start_step + 1, cfg.train.total_steps + 1):
             t0 = time.perf_counter()
             if cfg.rollout.replay_dir is not None:
@@ -117,6 +121,7 @@ def _train(cfg: Config, ctx) -> None:
                     **namespaced("rollout", batch.stats),
                     **namespaced("train", history[-1]),
                     **namespaced("perf", perf),
+                    **namespaced("eval", evaluation.maybe_run(evaluator, cfg, step)),
                 },
             )
             last = step == cfg.train.total_steps
@@ -236,4 +241,5 @@ class _RolloutSide:
     def close(self) -> None:
         self.weight_push.close()
         if self.ctx.is_main:
+            self.scorer.close()  # its worker processes, if any
             self.runtime.close()

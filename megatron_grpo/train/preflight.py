@@ -56,6 +56,13 @@ def preflight(cfg: Config, world_size: int) -> None:
         PromptDataset(cfg.data, tokenizer, first_only=True)
     except ValueError as e:
         raise ValueError(f"data: {e}") from None
+    from megatron_grpo.eval.runner import dataset_config
+
+    for spec in cfg.eval.datasets:
+        try:
+            PromptDataset(dataset_config(cfg, spec), tokenizer, first_only=True)
+        except ValueError as e:
+            raise ValueError(f"eval.datasets[{spec.name}]: {e}") from None
     try:
         RewardScorer(cfg.reward)  # imports a custom reward function
     except ValueError as e:

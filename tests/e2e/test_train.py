@@ -44,16 +44,30 @@ DETERMINISTIC = (
 )
 
 
+EVAL_KEYS = ("eval/sums/pass@1", "eval/sums/pass@4", "eval/sums/reward_mean")
+
+
+def with_eval(assets: Path) -> tuple[str, ...]:
+    """Held-out sums at step 0 and every 2 steps, 4 samples per prompt, pass@1 and pass@4."""
+    sums = f"{{name: sums, path: {assets / 'eval.jsonl'}, max_prompts: 8}}"
+    return (f"eval.datasets=[{sums}]", "eval.interval=2", "eval.k=[1, 4]")
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, assets):
     out = tmp_path_factory.mktemp("full")
-    rows = train(out, assets, "train.total_steps=4", *RESUMABLE)
+    rows = train(out, assets, "train.total_steps=4", *RESUMABLE, *with_eval(assets))
     return out, rows
 
 
 def test_end_to_end_run_logs_checkpoints_and_plots(uninterrupted):
     out, rows = uninterrupted
-    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    # the initial policy is evaluated as step 0, then every 2 steps in the step's row
+    assert [r["step"] for r in rows if all(k in r for k in EVAL_KEYS)] == [0, 2, 4]
+    assert all(0 <= r["eval/sums/pass@1"] <= r["eval/sums/pass@4"] <= 1 for r in rows[::2])
+    assert any(r["eval/sums/pass@4"] > 0 for r in rows[::2])  # the resume test compares these
+    rows = rows[1:]
     for key in (
         "rollout/reward_mean",
         "rollout/reward_std",
@@ -73,7 +87,9 @@ def test_end_to_end_run_logs_checkpoints_and_plots(uninterrupted):
         "perf/time_sync_s",
     ):
         assert key in rows[-1], key
-    assert all(k.split("/")[0] in ("rollout", "train", "perf") for k in rows[-1] if k != "step")
+    assert all(
+        k.split("/")[0] in ("rollout", "train", "perf", "eval") for k in rows[-1] if k != "step"
+    )
     # the engine generates with the learner's weights: its log-probs are the learner's
     assert all(r["train/logprob_mismatch"] < 1e-4 for r in rows)
     assert (out / "checkpoints" / "latest").read_text() == "step_00000004"
@@ -90,10 +106,14 @@ def test_end_to_end_run_logs_checkpoints_and_plots(uninterrupted):
 
 def test_resume_continues_exactly(tmp_path, assets, uninterrupted):
     _, full = uninterrupted
-    train(tmp_path, assets, "train.total_steps=2", *RESUMABLE)
-    rows = train(tmp_path, assets, "train.total_steps=4", *RESUMABLE)  # resumes from step 2
-    assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    assert_same_training(rows[2:], full[2:])
+    train(tmp_path, assets, "train.total_steps=2", *RESUMABLE, *with_eval(assets))
+    # resumes from step 2, without evaluating step 0 again
+    rows = train(tmp_path, assets, "train.total_steps=4", *RESUMABLE, *with_eval(assets))
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    assert_same_training(rows[3:], full[3:])
+    for a, b in zip(rows, full, strict=True):  # every evaluation, before and after the resume
+        for key in EVAL_KEYS:
+            assert (key in a) == (key in b) and a.get(key) == pytest.approx(b.get(key)), key
 
 
 def assert_same_training(rows: list[dict], expected: list[dict]) -> None:

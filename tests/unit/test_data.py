@@ -165,7 +165,7 @@ def test_long_prompts_are_filtered_and_counted(tmp_path, tokenizer):
 
 
 def test_config_errors(tokenizer, tmp_path):
-    with pytest.raises(ValueError, match="must end in .jsonl or .parquet"):
+    with pytest.raises(ValueError, match="must end in .jsonl, .parquet or .arrow, or be a saved"):
         DataConfig(path="prompts.csv")
     with pytest.raises(ValueError, match="system_prompt needs data.apply_chat_template"):
         DataConfig(path="p.jsonl", system_prompt="hi", apply_chat_template=False)
@@ -181,6 +181,76 @@ def test_config_errors(tokenizer, tmp_path):
     no_template = PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend_tokenizer)
     with pytest.raises(ValueError, match="tokenizer has no chat_template"):
         PromptDataset(DataConfig(path=path), no_template)
+
+
+# --------------------------------------------------------------------------- HF datasets
+
+BRIEF = "<|system|> be brief <|end|> "
+
+
+def hf_rows():
+    return [
+        {"prompt": "what is one plus two", "label": "3", "level": 1},
+        {"prompt": "hello world", "label": "7", "level": 2},
+    ]
+
+
+def test_saved_dataset_folder_with_system_prompt(tmp_path, tokenizer):
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_list(hf_rows()).save_to_disk(str(tmp_path / "saved"))
+    config = DataConfig(path=str(tmp_path / "saved"), system_prompt="be brief", shuffle=False)
+    ds = PromptDataset(config, tokenizer)
+    assert [(i.label, i.metadata) for i in ds.items] == [("3", {"level": 1}), ("7", {"level": 2})]
+    assert ds[0].prompt_text == BRIEF + "<|user|> what is one plus two <|end|> <|assistant|>"
+    assert ds[0].prompt_ids == ids(tokenizer, ds[0].prompt_text)
+
+
+def test_dataset_dict_folder_reads_its_split(tmp_path, tokenizer):
+    datasets = pytest.importorskip("datasets")
+    train, test = datasets.Dataset.from_list(hf_rows()), datasets.Dataset.from_list(hf_rows()[1:])
+    datasets.DatasetDict({"train": train, "test": test}).save_to_disk(str(tmp_path / "dd"))
+    assert len(PromptDataset(DataConfig(path=str(tmp_path / "dd")), tokenizer)) == 2
+    (item,) = PromptDataset(DataConfig(path=str(tmp_path / "dd"), split="test"), tokenizer).items
+    assert item.label == "7"
+    with pytest.raises(ValueError, match="without the split 'dev' .*splits are train, test"):
+        PromptDataset(DataConfig(path=str(tmp_path / "dd"), split="dev"), tokenizer)
+
+
+def test_arrow_files(tmp_path, tokenizer):
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_list(hf_rows()).save_to_disk(str(tmp_path / "saved"))
+    (stream,) = (tmp_path / "saved").glob("*.arrow")  # what datasets writes: an Arrow stream
+    table = pa.table({"prompt": ["five"], "label": ["b"]})
+    with pa.ipc.new_file(str(tmp_path / "plain.arrow"), table.schema) as writer:
+        writer.write_table(table)  # an Arrow IPC file
+    config = DataConfig(path=[str(stream), str(tmp_path / "plain.arrow")], shuffle=False)
+    assert [i.label for i in PromptDataset(config, tokenizer).items] == ["3", "7", "b"]
+
+
+def test_missing_columns_are_named(tmp_path, tokenizer):
+    datasets = pytest.importorskip("datasets")
+    rows = [{"question": "hello", "answer": "x"}]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
+    pq.write_table(pa.table({"prompt": ["hello"], "answer": ["x"]}), tmp_path / "p.parquet")
+    with pytest.raises(ValueError, match="no prompt column 'prompt': its columns are question, "):
+        PromptDataset(DataConfig(path=str(tmp_path / "saved")), tokenizer)
+    with pytest.raises(ValueError, match="no label column 'label'.*data.require_label=false"):
+        PromptDataset(DataConfig(path=str(tmp_path / "p.parquet")), tokenizer)
+    config = DataConfig(path=str(tmp_path / "saved"), prompt_key="question", label_key="answer")
+    assert PromptDataset(config, tokenizer)[0].label == "x"
+
+
+def test_empty_or_unreadable_folders(tmp_path, tokenizer):
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_dict({"prompt": [], "label": []}).save_to_disk(str(tmp_path / "empty"))
+    with pytest.raises(ValueError, match="no rows in .*empty"):
+        PromptDataset(DataConfig(path=str(tmp_path / "empty")), tokenizer)
+    (tmp_path / "not_saved").mkdir()
+    with pytest.raises(ValueError, match="not_saved'.*neither a `Dataset`"):
+        PromptDataset(DataConfig(path=str(tmp_path / "not_saved")), tokenizer)
+    (tmp_path / "broken.arrow").write_bytes(b"not arrow")
+    with pytest.raises(ValueError, match="is not an Arrow stream or file"):
+        PromptDataset(DataConfig(path=str(tmp_path / "broken.arrow")), tokenizer)
 
 
 def test_epoch_order_seeded_and_per_epoch():

@@ -64,6 +64,12 @@ def run(tmp_path, monkeypatch, capsys):
         ),
         (["data.path=/nowhere/train.jsonl"], 2, "data.path '/nowhere/train.jsonl' does not"),
         (["reward.type=custom", "reward.custom_function=no_such_module:score"], 2, None),
+        (
+            ["eval.datasets=[{name: held, path: /nowhere/held.jsonl}]"],
+            2,
+            "eval.datasets[held]: data.path '/nowhere/held.jsonl' does not exist",
+        ),
+        (["eval.k=[8]"], 2, "eval.k must list values in [1, eval.samples_per_prompt=4]"),
     ],
 )
 def test_refused_before_launch(run, overrides, nproc, message):

@@ -1,0 +1,1 @@
+"""Evaluation on held-out prompts during training: pass@k and the eval pass."""

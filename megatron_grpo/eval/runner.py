@@ -1,0 +1,118 @@
+"""Evaluation during training: held-out prompts through the trainer's engines and scorer.
+
+Runs on the main rank only, between RL steps, with the rollout runtime that
+generates the training samples (so with the current policy's weights) and the
+same ``RewardScorer``. Each set's prompts are read once, in file order (no
+shuffle). The sampling seed is a function of the run's seed, the step and the
+set, so a resumed run repeats an evaluation exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+from megatron_grpo.config import Config, EvalDatasetConfig
+from megatron_grpo.eval.pass_at_k import mean_pass_at_k
+
+
+def dataset_config(cfg: Config, spec: EvalDatasetConfig):
+    """The ``DataConfig`` of a held-out set: the ``data`` section with the set's fields."""
+    overrides: dict[str, Any] = {"path": spec.path, "shuffle": False, "require_label": True}
+    for name in ("prompt_key", "label_key", "split", "system_prompt"):
+        if getattr(spec, name) is not None:
+            overrides[name] = getattr(spec, name)
+    return dataclasses.replace(cfg.data, **overrides)
+
+
+def group_metrics(
+    rewards: list[list[float]], lengths: list[int], *, ks: list[int], threshold: float
+) -> dict[str, float]:
+    """pass@k, mean reward and mean length of one set's groups (one list per prompt)."""
+    n = len(rewards[0])
+    num_correct = [sum(r >= threshold for r in group) for group in rewards]
+    flat = [r for group in rewards for r in group]
+    out = {f"pass@{k}": mean_pass_at_k(num_correct, n, k) for k in ks}
+    out["reward_mean"] = sum(flat) / len(flat)
+    out["response_length_mean"] = sum(lengths) / len(lengths)
+    return out
+
+
+class Evaluator:
+    """``run(step)``: the eval metrics (``<set>/<metric>``) of the current policy."""
+
+    def __init__(self, cfg: Config, *, runtime, scorer, tokenizer, stop_token_ids: list[int]):
+        from megatron_grpo.data import PromptDataset
+
+        self.cfg = cfg.eval
+        self.seed = cfg.seed
+        self.runtime, self.scorer, self.tokenizer = runtime, scorer, tokenizer
+        self.stop_token_ids = stop_token_ids
+        self.sampling = dataclasses.replace(
+            cfg.rollout,
+            samples_per_prompt=self.cfg.samples_per_prompt,
+            temperature=self.cfg.temperature,
+            top_p=self.cfg.top_p,
+            max_new_tokens=self.cfg.max_new_tokens or cfg.rollout.max_new_tokens,
+        )
+        self.sets = []
+        for spec in self.cfg.datasets:
+            items = PromptDataset(dataset_config(cfg, spec), tokenizer).items
+            self.sets.append((spec.name, items[: spec.max_prompts]))
+
+    def run(self, step: int) -> dict[str, float]:
+        start = time.perf_counter()
+        out: dict[str, float] = {}
+        for index, (name, items) in enumerate(self.sets):
+            metrics = self._run_set(items, seed=self.seed + 7_000_003 * (step + 1) + 101 * index)
+            out.update({f"{name}/{k}": v for k, v in metrics.items()})
+        out["time_s"] = time.perf_counter() - start
+        return out
+
+    def _run_set(self, items: list, *, seed: int) -> dict[str, float]:
+        groups = self.runtime.generate_groups(
+            [it.prompt_ids for it in items],
+            self.sampling,
+            seed=seed,
+            stop_token_ids=self.stop_token_ids,
+        )
+        n = self.cfg.samples_per_prompt
+        texts = [
+            self.tokenizer.decode(list(s.output_ids), skip_special_tokens=True)
+            for group in groups
+            for s in group
+        ]
+        labels = [it.label for it in items for _ in range(n)]
+        metas = [it.metadata for it in items for _ in range(n)]
+        scored = self.scorer.score(texts, labels, metas)
+        rewards = [scored.rewards[i * n : (i + 1) * n] for i in range(len(items))]
+        lengths = [len(s.output_ids) for group in groups for s in group]
+        metrics = group_metrics(
+            rewards, lengths, ks=self.cfg.k, threshold=self.cfg.correct_threshold
+        )
+        metrics["reward_errors"] = float(scored.num_errors)
+        return metrics
+
+
+def build(cfg: Config, rollout, ctx) -> Evaluator | None:
+    """The evaluator of a run, on the main rank when ``eval.datasets`` is set; else None.
+
+    ``rollout`` is the loop's rollout side: its runtime, scorer, tokenizer and stop
+    tokens (which exist on the main rank only)."""
+    if not cfg.eval.enabled or rollout is None or not ctx.is_main:
+        return None
+    return Evaluator(
+        cfg,
+        runtime=rollout.runtime,
+        scorer=rollout.scorer,
+        tokenizer=rollout.tokenizer,
+        stop_token_ids=rollout.stop,
+    )
+
+
+def maybe_run(evaluator: Evaluator | None, cfg: Config, step: int) -> dict[str, float]:
+    """The eval metrics of ``step`` when an evaluation is due there (main rank); else {}."""
+    if evaluator is None or not cfg.eval.due(step, last_step=cfg.train.total_steps):
+        return {}
+    return evaluator.run(step)

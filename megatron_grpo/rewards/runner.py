@@ -1,0 +1,89 @@
+"""A reward function over a batch: async ones concurrently, sync ones inline or in workers.
+
+- An async function (``async def``, or an object whose ``__call__`` is one) is
+  awaited for every sample at once, at most ``max_concurrency`` at a time, each
+  cancelled after ``timeout_s``. One event loop serves one batch, so the
+  function must not keep loop-bound objects (an aiohttp session) across calls.
+- A sync function runs in this process, one sample after another, with no
+  limit but its own (the math reward has one); or, with ``num_workers``, in
+  worker processes that are killed after ``timeout_s`` (rewards/pool.py).
+Each result is the function's value or the exception it raised.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from megatron_grpo import http
+from megatron_grpo.rewards.pool import RewardTimeout, WorkerPool
+
+
+def is_async(fn: Callable[..., Any]) -> bool:
+    """An ``async def`` function, or an instance of a class whose ``__call__`` is one."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
+
+
+async def gather(
+    fn: Callable[..., Any],
+    jobs: Sequence[tuple[Any, ...]],
+    *,
+    max_concurrency: int,
+    timeout_s: float | None,
+) -> list[Any]:
+    """``await fn(*job)`` for every job concurrently; a value or an exception each."""
+    slots = asyncio.Semaphore(max_concurrency)
+
+    async def one(job: tuple[Any, ...]) -> Any:
+        async with slots:  # the limit counts from the start, not from the queue
+            try:
+                return await asyncio.wait_for(fn(*job), timeout_s)
+            except asyncio.TimeoutError:
+                return RewardTimeout(f"reward function ran past {timeout_s:g} s (reward.timeout_s)")
+            except Exception as e:
+                return e
+
+    return list(await asyncio.gather(*(one(job) for job in jobs)))
+
+
+class RewardRunner:
+    """Runs one reward function over batches of ``(response, label, metadata)`` jobs."""
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        *,
+        max_concurrency: int = 64,
+        num_workers: int = 0,
+        timeout_s: float | None = None,
+    ) -> None:
+        """``timeout_s`` None: no limit of ours (the function has one, e.g. a remote reward)."""
+        self.fn = fn
+        self.max_concurrency = max_concurrency
+        self.timeout_s = timeout_s
+        self.pool: WorkerPool | None = None
+        if num_workers and not is_async(fn):
+            self.pool = WorkerPool(fn, num_workers=num_workers, timeout_s=timeout_s or 1e9)
+
+    def run(self, jobs: Sequence[tuple[Any, ...]]) -> list[Any]:
+        if is_async(self.fn):
+            return http.run_sync(
+                gather(
+                    self.fn, jobs, max_concurrency=self.max_concurrency, timeout_s=self.timeout_s
+                )
+            )
+        if self.pool is not None:
+            return self.pool.map(jobs)
+        results: list[Any] = []
+        for job in jobs:
+            try:
+                results.append(self.fn(*job))
+            except Exception as e:
+                results.append(e)
+        return results
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
