@@ -37,6 +37,10 @@ SyncMethod = Literal["tensor", "disk", "distributed"]
 
 CHECK_ROWS = 4
 """Leading rows of each weight compared by ``rollout.check_weight_sync``."""
+_READ = (
+    "SGLang 0.5.23 reads weights back (/get_weights_by_name) for llama-family models "
+    "only; for others turn rollout.check_weight_sync off"
+)
 _END = object()
 
 
@@ -296,13 +300,18 @@ class StageSender:
         return self.loop.run_until_complete(self._check(plan))
 
     async def _check(self, plan: SyncPlan) -> list[str]:
+        from megatron_grpo.rollout.errors import RolloutHTTPError
+
         client = await self._client(plan.urls)
         problems = []
-        for name, ours in self._samples.items():
-            for url in plan.urls:
-                got = await client.get_weights_by_name(name, truncate_size=CHECK_ROWS, url=url)
-                theirs = torch.tensor(got, dtype=torch.float32)
-                if problem := compare_sample(name, ours, theirs):
+        for url in plan.urls:
+            for name, ours in self._samples.items():
+                try:
+                    got = await client.get_weights_by_name(name, truncate_size=CHECK_ROWS, url=url)
+                except RolloutHTTPError as err:
+                    problems.append(f"{url}: {name}: the engine did not return it ({err}); {_READ}")
+                    break  # the engine reads no weight of this model back
+                if problem := compare_sample(name, ours, torch.tensor(got, dtype=torch.float32)):
                     problems.append(f"{url}: {problem}")
         return problems
 

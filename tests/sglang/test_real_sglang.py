@@ -288,6 +288,14 @@ def test_weight_update_from_both_stages_of_the_learner(learner, method):
 
 
 @pytest.mark.timeout(120)
+def test_weight_check_says_sglang_reads_no_qwen_weight_back(learner):
+    error = learner["check_error"]
+    assert "rollout.check_weight_sync: after pushing weight version check" in error
+    assert "model.embed_tokens.weight: the engine did not return it" in error
+    assert "llama-family models only" in error
+
+
+@pytest.mark.timeout(120)
 def test_abort_mid_generation(server):
     request = RolloutRequest(
         prompts=(tuple(PROMPTS[1]),),

@@ -133,10 +133,29 @@ def learner_scenario(
         phases[method] = _phase(runtime, model, ctx, cfg, method_cfg, prompts)
         if runtime is not None:
             runtime.close()
+    # SGLang reads no Qwen weight back: rollout.check_weight_sync says so by name.
+    checked = rollout_cfg("tensor")
+    checked.check_weight_sync = True
+    runtime = RolloutRuntime(checked, model_cfg=cfg) if ctx.is_main else None
+    push = WeightPush(cfg, checked, ctx, main_sender=runtime.sender if runtime else None)
+    try:
+        push(model, "check", runtime)
+        check_error = ""
+    except RuntimeError as err:
+        check_error = str(err)
+    push.close()
+    if runtime is not None:
+        runtime.close()
     # The trainer's own groups still work after the broadcast group came and went.
     check = torch.ones(1)
     dist.all_reduce(check)
     if not ctx.is_main:
         return None
     world = ctx.world_size
-    return {"phases": phases, "push_s": timings, "all_reduce": float(check), "world": world}
+    return {
+        "phases": phases,
+        "push_s": timings,
+        "all_reduce": float(check),
+        "world": world,
+        "check_error": check_error,
+    }
