@@ -89,10 +89,14 @@ def total_params(m: ModelConfig) -> int:
 
 def weight_push_bytes(m: ModelConfig, bucket_bytes: int) -> int:
     """Peak extra memory of a stage's sender during a weight push (``rollout.stage_sender``):
-    twice the largest unit it gathers at once (a decoder layer, or the embedding or head)
-    plus three buckets. Every other rank: nothing beyond its own shard."""
-    largest = max(layer_params(m, 1), m.vocab_size * m.hidden_size)
-    return 2 * largest * DTYPE_BYTES[m.params_dtype] + 3 * bucket_bytes
+    two units' full tensors (a decoder layer, or the embedding or head: the one being
+    gathered and the one whose bucket is in flight) and two buckets, a bucket being at least
+    the largest tensor. Every other rank: nothing beyond its own shard."""
+    vocab = m.vocab_size * m.hidden_size
+    largest_unit = max(layer_params(m, 1), vocab)
+    largest_tensor = max(vocab, 2 * m.ffn_hidden_size * m.hidden_size)
+    dtype = DTYPE_BYTES[m.params_dtype]
+    return 2 * largest_unit * dtype + 2 * max(bucket_bytes, largest_tensor * dtype)
 
 
 @dataclass(frozen=True)

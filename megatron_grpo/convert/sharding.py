@@ -107,6 +107,20 @@ def unshard(full_name: str, shards: Sequence[torch.Tensor], cfg: ModelConfig) ->
     return torch.cat(list(shards), dim=1 if layout == "row" else 0)
 
 
+def unshard_stacked(full_name: str, stacked: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """``unshard`` of every TP rank's shard stacked on a new dim 0 (``[tp, *shard]``): a view
+    of ``stacked`` where the layout concatenates along dim 0 (vocab, column), else a copy.
+
+    Vocab tensors keep the rows of ``padded_vocab_size(tp)``.
+    """
+    layout = tp_layout(full_name)
+    if layout == "replicated":
+        return stacked[0]
+    if layout in ("vocab", "column"):
+        return stacked.flatten(0, 1)
+    return unshard(full_name, list(stacked), cfg)
+
+
 # --------------------------------------------------------------------------- pipeline
 
 

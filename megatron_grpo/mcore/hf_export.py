@@ -8,9 +8,11 @@ group, one parameter at a time, joined (``convert.sharding.unshard``) and rename
 conversion tools' mapping (``convert.weights``). The other TP ranks of the stage take part
 in the gathers and yield nothing; ranks of other data-parallel replicas do not take part.
 
-Memory: besides its own shard, the sender holds one decoder layer's full tensors (the
-gathered shards and the joined tensors, about twice the layer) at a time, plus what its
-consumer keeps (weight sync: at most two buckets).
+Memory: besides its own shard, the sender holds one unit's full tensors at a time (a
+decoder layer, or the embedding or head): the shards land side by side in one buffer, which
+is the joined tensor itself for the layouts split along dim 0 (QKV, vocab); the others and
+the HF renaming (split QKV, gate/up) copy a layer's tensors once more. Plus what its
+consumer keeps (weight sync: see ``rollout.stage_sender``).
 """
 
 from __future__ import annotations
@@ -22,8 +24,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megatron_grpo.config import ModelConfig
-from megatron_grpo.convert.layout import resize_vocab
-from megatron_grpo.convert.sharding import tp_layout, unshard
+from megatron_grpo.convert.sharding import tp_layout, unshard_stacked
 from megatron_grpo.convert.weights import (
     HF_EMBEDDING,
     HF_FINAL_NORM,
@@ -73,29 +74,32 @@ def _gather_tp(name: str, local: Tensor, cfg: ModelConfig, ctx: ParallelContext)
     if ctx.dims.tp == 1 or tp_layout(name) == "replicated":
         return local if ctx.tp_rank == 0 else None
     send = local.contiguous()
-    shards = [torch.empty_like(send) for _ in range(ctx.dims.tp)] if ctx.tp_rank == 0 else None
+    stacked = None
+    if ctx.tp_rank == 0:  # the shards land side by side: dim-0 layouts need no copy to join
+        stacked = send.new_empty(ctx.dims.tp, *send.shape)
     dst = dist.get_global_rank(ctx.tp_group, 0)
-    dist.gather(send, shards, dst=dst, group=ctx.tp_group)
-    if shards is None:
+    dist.gather(send, None if stacked is None else list(stacked), dst=dst, group=ctx.tp_group)
+    if stacked is None:
         return None
-    return unshard(name, shards, cfg)
+    return unshard_stacked(name, stacked, cfg)
 
 
 def globals_to_hf(full: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
     """HF names of whichever of the embedding, final norm and head a stage holds.
 
-    The vocab padding rows are dropped; with tied embeddings the head (a copy of the
-    embedding on the last stage) is not sent.
+    The vocab padding rows are dropped (a view: every padded count holds ``vocab_size``
+    rows); with tied embeddings the head (a copy of the embedding on the last stage) is
+    not sent.
     """
     out = {}
     for name, tensor in full.items():
         if name == MEGATRON_EMBEDDING:
-            out[HF_EMBEDDING] = resize_vocab(tensor, cfg.vocab_size)
+            out[HF_EMBEDDING] = tensor[: cfg.vocab_size]
         elif name == MEGATRON_FINAL_NORM:
             out[HF_FINAL_NORM] = tensor
         elif name == MEGATRON_OUTPUT:
             if not cfg.tie_embeddings:
-                out[HF_OUTPUT] = resize_vocab(tensor, cfg.vocab_size)
+                out[HF_OUTPUT] = tensor[: cfg.vocab_size]
         else:
             raise ValueError(f"no Hugging Face name is known for {name!r}")
     return out
@@ -112,6 +116,8 @@ def stage_hf_layers(model: list, cfg: ModelConfig, ctx: ParallelContext) -> Iter
             continue
         joined = {name: t for name, t in full.items() if t is not None}
         if layer is None:
-            yield globals_to_hf(joined, cfg)
+            hf = globals_to_hf(joined, cfg)
         else:
-            yield megatron_layer_to_hf(layer, joined, cfg)
+            hf = megatron_layer_to_hf(layer, joined, cfg)
+        del full, joined  # what the HF tensors do not view is freed before they are sent
+        yield hf

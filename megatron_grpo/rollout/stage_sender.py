@@ -14,9 +14,12 @@ gathered, and answers with a ``StageReport``; the main rank closes the push
   (one group per stage, kept open across pushes); each bucket is announced to
   ``/update_weights_from_distributed`` and broadcast.
 
-Peak extra memory of a sender during a push: the tensors of the decoder layer being
-gathered (``mcore.hf_export``) plus three buckets (one being filled, one being serialized,
-one in flight); ``distributed`` sends from the tensors themselves, so two.
+Peak extra memory of a sender during a push: the full tensors of two units (a decoder
+layer, or the embedding or head: the one being gathered, ``mcore.hf_export``, and the one
+whose bucket is in flight) plus two buckets (the copy being made ready and the one in
+flight; a bucket holds at least one tensor, so it may be the largest tensor); buckets being
+filled hold views. ``distributed`` sends from the tensors themselves. The dry run prints
+the figure (``commands.memory_model.weight_push_bytes``).
 """
 
 from __future__ import annotations

@@ -4,9 +4,9 @@ A TP2 x PP2 learner (4 gloo processes) pushes a 12-layer fp32 model of ~105 MB w
 trainer's ``WeightPush`` (``tensor`` method, 2 MiB buckets) to an embedded server in a
 process of its own. A thread samples every rank's resident set each millisecond (glibc is
 told to return freed memory at once). Each rank's growth over its resident set before the
-push must stay within ``memory_model.weight_push_bytes`` (two decoder layers and three
-buckets, 22.5 MiB here) plus a fixed allowance of 16 MiB; a stage's weights (~50 MiB)
-or the full model would not fit. Seen: the two senders grew 26-28 MiB, the other ranks 0.1.
+push must stay within ``memory_model.weight_push_bytes`` (two decoder layers and two
+buckets, 25.5 MiB here) plus a fixed allowance of 16 MiB; a stage's weights (~50 MiB)
+or the full model would not fit. Seen: the two senders grew 24.3 MiB, the other ranks 0.1.
 """
 
 from __future__ import annotations
