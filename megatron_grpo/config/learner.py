@@ -168,6 +168,11 @@ class TrainConfig:
     recompute_modules: list[str] = field(default_factory=lambda: ["core_attn"])
     """selective: the parts of a layer to recompute (megatron-core's names, e.g. core_attn,
     mlp, layernorm)."""
+    collective_timeout_s: float = 600.0
+    """Limit for one collective (torch.distributed's and megatron-core's groups): a rank
+    that waits longer reports a hang. Rollouts and evaluations are waited for outside
+    collectives, so they may take longer; a main rank that stops for this long during one
+    is reported."""
 
     def __post_init__(self) -> None:
         if self.recompute_num_layers < 1:
@@ -183,3 +188,7 @@ class TrainConfig:
             raise ValueError(f"train.global_batch_size must be >= 1, got {self.global_batch_size}")
         if self.save_interval < 0:
             raise ValueError(f"train.save_interval must be >= 0, got {self.save_interval}")
+        if not self.collective_timeout_s > 0:
+            raise ValueError(
+                f"train.collective_timeout_s must be > 0, got {self.collective_timeout_s}"
+            )

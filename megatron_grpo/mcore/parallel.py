@@ -68,7 +68,7 @@ class ParallelContext:
 
 
 def init_parallel(
-    dims: ParallelDims, *, seed: int = 1234, timeout_minutes: int = 10
+    dims: ParallelDims, *, seed: int = 1234, timeout_minutes: float = 10
 ) -> ParallelContext:
     """Start torch.distributed from torchrun's environment and megatron-core's groups."""
     from megatron.core import parallel_state, tensor_parallel

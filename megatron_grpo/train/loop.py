@@ -8,6 +8,7 @@ the weight push (every pipeline stage sends its own layers) are collective.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import time
 from pathlib import Path
@@ -23,13 +24,16 @@ from megatron_grpo.metrics import MetricsLogger, namespaced
 from megatron_grpo.rollout import stage as rollout_stage
 from megatron_grpo.train import sources
 from megatron_grpo.train import state as train_state
+from megatron_grpo.train.main_wait import MainRankWork
 from megatron_grpo.train.run_lock import HELD_ENV, RunLock, RunLockedError
 from megatron_grpo.train.step import StepSettings, train_on_rollout
 from megatron_grpo.train.weight_push import WeightPush
 
 
 def train(cfg: Config) -> None:
-    ctx = init_parallel(cfg.parallel, seed=cfg.seed)
+    ctx = init_parallel(
+        cfg.parallel, seed=cfg.seed, timeout_minutes=cfg.train.collective_timeout_s / 60
+    )
     lock = _lock_output_dir(cfg, ctx)
     try:
         _train(cfg, ctx)
@@ -74,9 +78,12 @@ def _train(cfg: Config, ctx) -> None:
         start_step, extra = train_state.load(
             latest, model=model, optimizer=optimizer, scheduler=scheduler, ctx=ctx
         )
+    main_work = MainRankWork(
+        is_main=ctx.is_main, world_size=ctx.world_size, stall_s=cfg.train.collective_timeout_s
+    )
     rollout = None
     if cfg.rollout.replay_dir is None:
-        rollout = _RolloutSide(cfg, ctx, model, extra, start_step=start_step)
+        rollout = _RolloutSide(cfg, ctx, model, extra, start_step=start_step, main_work=main_work)
     settings = step_settings(cfg)
     logger = MetricsLogger(
         out,
@@ -88,7 +95,12 @@ def _train(cfg: Config, ctx) -> None:
     )
     try:
         evaluator = evaluation.build(cfg, rollout, ctx)
-        if start_step == 0 and (initial := evaluation.maybe_run(evaluator, cfg, 0)):
+
+        def evaluate(step: int) -> dict:
+            done = main_work.run("evaluation", lambda: evaluation.maybe_run(evaluator, cfg, step))
+            return done or {}
+
+        if start_step == 0 and (initial := evaluate(0)):
             logger.log(0, namespaced("eval", initial))
         for step in range(start_step + 1, cfg.train.total_steps + 1):
             t0 = time.perf_counter()
@@ -96,7 +108,7 @@ def _train(cfg: Config, ctx) -> None:
                 batch = rollout_stage.replay(cfg.rollout.replay_dir, step) if ctx.is_main else None
             else:
                 assert rollout is not None
-                batch = rollout.collect(step)
+                batch = main_work.run("rollout", functools.partial(rollout.collect, step))
             batch = broadcast_object(batch, ctx)
             t1 = time.perf_counter()
             history = train_on_rollout(
@@ -121,7 +133,7 @@ def _train(cfg: Config, ctx) -> None:
                     **namespaced("rollout", batch.stats),
                     **namespaced("train", history[-1]),
                     **namespaced("perf", perf),
-                    **namespaced("eval", evaluation.maybe_run(evaluator, cfg, step)),
+                    **namespaced("eval", evaluate(step) or {}),
                 },
             )
             last = step == cfg.train.total_steps
@@ -174,11 +186,20 @@ def step_settings(cfg: Config) -> StepSettings:
 class _RolloutSide:
     """Data, rewards and engines on global rank 0; weight pushes from every stage."""
 
-    def __init__(self, cfg: Config, ctx, model: list, extra: dict, *, start_step: int) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        ctx,
+        model: list,
+        extra: dict,
+        *,
+        start_step: int,
+        main_work: MainRankWork,
+    ) -> None:
         self.cfg, self.ctx = cfg, ctx
         self.runtime: Any = None
-        if ctx.is_main:
-            self._start(cfg, extra, start_step)
+        # Starting or attaching to the engines may take minutes: not inside a collective.
+        main_work.run("engine start", lambda: self._start(cfg, extra, start_step))
         main_sender = self.runtime.sender if self.runtime is not None else None
         self.weight_push = WeightPush(
             cfg.model, cfg.rollout, ctx, main_sender=main_sender
