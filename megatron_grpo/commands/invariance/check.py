@@ -112,6 +112,8 @@ def check(
         if reference is not None:
             states = {k: reference[k] for k in states}
         kwargs = {**common, "dp": layout.dp, "tp": layout.tp, "pp": layout.pp, **states}
+        if layout.ep > 1:
+            kwargs["ep"] = layout.ep
         results = run_workers(target, layout.world_size, kwargs=kwargs, timeout=timeout)
         return next(r for r in results if r is not None)
 
