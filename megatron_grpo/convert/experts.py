@@ -20,6 +20,7 @@ of shape [layers, E, 2I, H]; ``unstack_expert_axes`` names its slices.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 
 from torch import Tensor
 
@@ -100,3 +101,21 @@ def unstack_expert_axes(key: str, full: Tensor) -> dict[str, Tensor]:
         for i in range(full.shape[0])
         for e in range(full.shape[1])
     }
+
+
+_LAYER_STACK = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.)experts\.(.+)$")
+
+
+def split_stacked_experts(tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """Per-expert names for one layer's experts read from a checkpoint as one tensor each
+    (``decoder.layers.{i}.mlp.experts.experts.linear_fc1.weight`` [E, 2I, H]); other
+    tensors unchanged."""
+    out: dict[str, Tensor] = {}
+    for name, tensor in tensors.items():
+        match = _LAYER_STACK.match(name)
+        if match is None:
+            out[name] = tensor
+            continue
+        stem, leaf = match.groups()
+        out |= {f"{stem}local_experts.{e}.{leaf}": tensor[e] for e in range(tensor.shape[0])}
+    return out
