@@ -22,6 +22,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
+import torch
 from torch import Tensor
 
 from megatron_grpo.config import ModelConfig
@@ -118,4 +119,44 @@ def split_stacked_experts(tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
             continue
         stem, leaf = match.groups()
         out |= {f"{stem}local_experts.{e}.{leaf}": tensor[e] for e in range(tensor.shape[0])}
+    return out
+
+
+# --------------------------------------------------------------------------- transformers
+
+
+def fuse_hf_experts(hf_tensors: Mapping[str, Tensor], num_layers: int) -> dict[str, Tensor]:
+    """Saved (one tensor per expert projection) -> transformers 5's in-memory Qwen3-MoE
+    layout: ``mlp.experts.gate_up_proj`` [E, 2I, H] (each expert ``[gate; up]``) and
+    ``mlp.experts.down_proj`` [E, H, I]. Other tensors unchanged."""
+    out = {k: v for k, v in hf_tensors.items() if ".mlp.experts." not in k}
+    for i in range(num_layers):
+        pre = f"model.layers.{i}.mlp.experts."
+        num_experts = sum(
+            1 for k in hf_tensors if k.startswith(pre) and k.endswith("down_proj.weight")
+        )
+        proj = [
+            {p: hf_tensors[f"{pre}{e}.{p}_proj.weight"] for p in ("gate", "up", "down")}
+            for e in range(num_experts)
+        ]
+        out[pre + "gate_up_proj"] = torch.stack([torch.cat([x["gate"], x["up"]]) for x in proj])
+        out[pre + "down_proj"] = torch.stack([x["down"] for x in proj])
+    return out
+
+
+def split_hf_experts(hf_tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """transformers 5's fused in-memory expert tensors -> the saved per-expert names;
+    inverse of ``fuse_hf_experts``."""
+    out: dict[str, Tensor] = {}
+    for name, tensor in hf_tensors.items():
+        pre, _, leaf = name.rpartition(".mlp.experts.")
+        if leaf == "gate_up_proj":
+            for e, fused in enumerate(tensor):
+                gate, up = fused.chunk(2, dim=0)
+                out[f"{pre}.mlp.experts.{e}.gate_proj.weight"] = gate
+                out[f"{pre}.mlp.experts.{e}.up_proj.weight"] = up
+        elif leaf == "down_proj":
+            out |= {f"{pre}.mlp.experts.{e}.down_proj.weight": t for e, t in enumerate(tensor)}
+        else:
+            out[name] = tensor
     return out

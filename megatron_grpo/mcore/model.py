@@ -85,7 +85,7 @@ def transformer_config(cfg: ModelConfig, ctx: ParallelContext, train: TrainConfi
         variable_seq_lengths=ctx.dims.vpp is None,
         batch_p2p_comm=ctx.dims.vpp is None,
         moe_token_dispatcher_type="alltoall",  # required by variable_seq_lengths
-        **_moe(cfg, ctx),
+        **_moe(cfg, ctx, train),
         sequence_parallel=ctx.dims.uses_sequence_parallel,
         **_recompute(train),
         # The loss owns normalization: no division by micro-batch count or DP size.
@@ -94,10 +94,16 @@ def transformer_config(cfg: ModelConfig, ctx: ParallelContext, train: TrainConfi
     )
 
 
-def _moe(cfg: ModelConfig, ctx: ParallelContext) -> dict:
+def _moe(cfg: ModelConfig, ctx: ParallelContext, train: TrainConfig | None) -> dict:
     """TransformerConfig's MoE fields for ``cfg`` (none for a dense model)."""
     if not cfg.is_moe:
         return {}
+    if cfg.moe_aux_loss_coeff and train is not None and train.recompute_granularity == "full":
+        raise ValueError(
+            "model.moe_aux_loss_coeff > 0 with train.recompute_granularity=full is not "
+            "supported: recomputed routers would attach the balance loss outside their "
+            "micro-batch (use selective recomputation)"
+        )
     if cfg.moe_grouped_gemm and not torch.cuda.is_available():
         raise ValueError(
             "model.moe_grouped_gemm=true needs a GPU (Transformer Engine's grouped GEMM); "
@@ -109,7 +115,6 @@ def _moe(cfg: ModelConfig, ctx: ParallelContext) -> dict:
             "parallel.sequence_parallel=true (megatron-core's MoE layer trains only with it)"
         )
     softmax = cfg.moe_router_score_function == "softmax"
-    aux = cfg.moe_aux_loss_coeff > 0
     return {
         "num_moe_experts": cfg.num_experts,
         "moe_ffn_hidden_size": cfg.expert_ffn_hidden_size,
@@ -119,8 +124,9 @@ def _moe(cfg: ModelConfig, ctx: ParallelContext) -> dict:
         "moe_router_pre_softmax": softmax and not cfg.moe_norm_topk_prob,
         "moe_expert_capacity_factor": cfg.moe_capacity_factor,
         "moe_token_drop_policy": cfg.moe_token_drop_policy,
-        "moe_router_load_balancing_type": "aux_loss" if aux else "none",
-        "moe_aux_loss_coeff": cfg.moe_aux_loss_coeff,
+        # megatron-core's aux loss is per micro-batch: mcore.router_balance owns the term
+        "moe_router_load_balancing_type": "none",
+        "moe_aux_loss_coeff": 0.0,
         "moe_grouped_gemm": cfg.moe_grouped_gemm,
         "expert_model_parallel_size": ctx.dims.ep,
         "expert_tensor_parallel_size": 1,
@@ -221,6 +227,10 @@ def build_model(
 
     stages = [None] if ctx.dims.vpp is None else list(range(ctx.dims.vpp))
     chunks = [build_gpt(cfg, ctx, train=train, vp_stage=s) for s in stages]
+    if cfg.is_moe:
+        from megatron_grpo.mcore.router_balance import RouterBalance
+
+        chunks[0].router_balance = RouterBalance(chunks, cfg, ctx)
     if torch.cuda.is_available():
         chunks = [c.cuda() for c in chunks]
     if not wrap_ddp:

@@ -67,3 +67,23 @@ def gradients(tp: int = 1, pp: int = 1, ep: int = 1, init: dict | None = None) -
         "spread": spread,
         "ep_rank": ctx.ep_rank,
     }
+
+
+def megatron_aux_loss_layout(**kwargs):
+    """check-invariance's worker with megatron-core's own per-micro-batch aux loss in place
+    of the per-sequence one (which is switched off): the check must see the difference."""
+    import megatron_grpo.mcore.model as mcore_model
+    import megatron_grpo.mcore.router_balance as router_balance
+    from megatron_grpo.commands.invariance.worker import run_layout
+
+    moe_fields = mcore_model._moe
+
+    def with_megatron_aux_loss(cfg, ctx, train):
+        fields = moe_fields(cfg, ctx, train)
+        fields["moe_router_load_balancing_type"] = "aux_loss"
+        fields["moe_aux_loss_coeff"] = cfg.moe_aux_loss_coeff
+        return fields
+
+    mcore_model._moe = with_megatron_aux_loss
+    router_balance.aux_loss_weight = lambda coeff, num_sequences: 0.0
+    return run_layout(**kwargs)

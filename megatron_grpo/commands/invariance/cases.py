@@ -161,6 +161,21 @@ def default_model() -> ModelConfig:
     )
 
 
+def default_moe_model() -> ModelConfig:
+    """A tiny Qwen3-MoE: 4 experts, top-2, narrower than the dense width, q/k norm, and the
+    routers' balance loss on with a coefficient large enough to move the gradient."""
+    return dataclasses.replace(
+        default_model(),
+        head_dim=32,
+        qk_layernorm=True,
+        hf_family="qwen3_moe",
+        num_experts=4,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=32,
+        moe_aux_loss_coeff=0.05,
+    )
+
+
 def default_loss(mode: str) -> LossConfig:
     """Every term switched on, so that each one is checked under the mode's weights.
 

@@ -73,6 +73,7 @@ def _passes(before: list, final: dict, history: list, micro_batches: list[int]) 
                 "replicas": _replicas(b["spread"], b["grad"], update),
                 "clip_fraction": metrics["clip_fraction"],
                 "kl": metrics["kl"],
+                "moe_aux_loss": metrics.get("moe_aux_loss"),
                 "micro_batches": micro_batches,
             }
         )
