@@ -213,6 +213,8 @@ def _format_memory(r: DryRunReport) -> list[str]:
     optim = f"{cfg.optim.optimizer}: {' + '.join(states) or 'no state'}"
     if cfg.optim.distributed_optimizer:
         optim += f"; sharded over DP={r.dp} (distributed optimizer)"
+        if m.is_moe:
+            optim += f", experts' over expert-DP={r.dp * dims.tp // dims.ep}"
     else:
         optim += "; not sharded (optim.use_distributed_optimizer=false)"
     vocab_shard = m.padded_vocab_size(dims.tp) // dims.tp
