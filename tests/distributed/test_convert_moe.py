@@ -1,7 +1,7 @@
 """Qwen3-MoE checkpoint conversion at TP2 x PP2 x EP2 (8 gloo processes), on tiny random
 models: HF -> megatron -> HF is bitwise, and the megatron model loaded from the converted
-checkpoint gives transformers' logits. Two routers: top-k renormalized (Qwen3-MoE's
-``norm_topk_prob``) and not."""
+checkpoint gives transformers' logits, at that layout and resharded to DP2 with EP2 or
+EP1. Two routers: top-k renormalized (Qwen3-MoE's ``norm_topk_prob``) and not."""
 
 from __future__ import annotations
 
@@ -61,6 +61,34 @@ def full_logits(model: list, ctx, tokens: torch.Tensor, vocab_size: int):
     return out[0] if out else None
 
 
+def loaded_logits(ctx, cfg, megatron_dir: str, tokens: torch.Tensor):
+    """Logits of a fresh model (NaN-filled: anything the load misses shows) loaded from disk."""
+    from megatron_grpo.mcore import checkpoint
+    from megatron_grpo.mcore.model import build_model
+
+    model = build_model(cfg, ctx)
+    for chunk in model:
+        for p in chunk.parameters():
+            p.data.fill_(float("nan"))
+    checkpoint.load_model(model, megatron_dir)
+    return full_logits(model, ctx, tokens, cfg.vocab_size)
+
+
+def load_resharded(cases: dict[str, dict], ep: int) -> dict:
+    """DP2 worker at EP ``ep``: the logits of each case's TP2 x PP2 x EP2 checkpoint."""
+    from megatron_grpo.commands.convert.hf_to_megatron import resolve_hf_model
+    from megatron_grpo.config import ParallelDims
+    from megatron_grpo.mcore.parallel import init_parallel
+
+    ctx = init_parallel(ParallelDims(ep=ep))
+    return {
+        name: loaded_logits(
+            ctx, resolve_hf_model(case["hf_dir"]), case["megatron_dir"], case["tokens"]
+        )
+        for name, case in cases.items()
+    }
+
+
 def convert_load_export(cases: dict[str, dict]) -> dict:
     """TP2 x PP2 x EP2 worker: each case HF -> megatron checkpoint -> (logits of a fresh
     model loaded from it, HF export)."""
@@ -72,8 +100,6 @@ def convert_load_export(cases: dict[str, dict]) -> dict:
     from megatron_grpo.commands.convert.megatron_to_hf import export_on_ranks, infer_family
     from megatron_grpo.config import ParallelDims
     from megatron_grpo.convert.hf_files import HFCheckpoint, write_hf_config
-    from megatron_grpo.mcore import checkpoint
-    from megatron_grpo.mcore.model import build_model
     from megatron_grpo.mcore.parallel import init_parallel
 
     ctx = init_parallel(ParallelDims(tp=2, pp=2, ep=2))
@@ -82,12 +108,7 @@ def convert_load_export(cases: dict[str, dict]) -> dict:
         cfg = resolve_hf_model(case["hf_dir"])
         check_hf_weights(HFCheckpoint(case["hf_dir"]), cfg, ctx.dims)
         convert_hf_on_ranks(ctx, case["hf_dir"], case["megatron_dir"], cfg)
-        model = build_model(cfg, ctx)
-        for chunk in model:  # NaN: anything the load misses shows in the logits
-            for p in chunk.parameters():
-                p.data.fill_(float("nan"))
-        checkpoint.load_model(model, case["megatron_dir"])
-        logits[name] = full_logits(model, ctx, case["tokens"], cfg.vocab_size)
+        logits[name] = loaded_logits(ctx, cfg, case["megatron_dir"], case["tokens"])
         family = infer_family(cfg)
         export_on_ranks(ctx, case["megatron_dir"], case["export_dir"], cfg, family)
         if ctx.is_main:
@@ -138,3 +159,17 @@ def test_megatron_logits_at_tp2_pp2_ep2_match_transformers(launched, name):
     diff = (got - want).abs().max().item()
     print(f"{name}: max |megatron - transformers| = {diff:.2e}, max |logit| {want.abs().max():.2f}")
     assert diff < LOGIT_TOLERANCE
+
+
+@pytest.mark.parametrize("ep", [2, 1])
+def test_the_checkpoint_reshards_over_ep(launched, ep):
+    """Saved at TP2 x PP2 x EP2, loaded at TP1 x PP1 on 2 ranks with EP2 (other experts per
+    rank) and EP1 (every expert on each rank)."""
+    results = run_workers(
+        f"{HERE}:load_resharded", 2, kwargs={"cases": launched["cases"], "ep": ep}, timeout=240
+    )
+    for name in CASES:
+        got, want = results[0][name], launched["sources"][name]["logits"]
+        diff = (got - want).abs().max().item()
+        print(f"{name} at EP{ep}: max |megatron - transformers| = {diff:.2e}")
+        assert diff < LOGIT_TOLERANCE

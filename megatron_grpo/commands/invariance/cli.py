@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
     tolerance = args.tolerance or (BF16_TOLERANCE if "bf16" in features else 1e-5)
     model_cfg = _model_config(args)
     print(
-        f"check-invariance: modes {', '.join(modes)}; layouts (DPxTPxPP) "
+        f"check-invariance: modes {', '.join(modes)}; layouts (DPxTPxPP[xEP]) "
         f"{', '.join(map(str, layouts))}; micro-batches {counts}; features "
         f"{', '.join(features) or 'none'}; permutation {'on' if args.permute else 'off'}; "
         f"packing {'on' if args.pack else 'off'}; tolerance {tolerance:g}"
