@@ -151,6 +151,27 @@ class ModelConfig:
         return -(-self.vocab_size // multiple) * multiple
 
 
+def check_moe_layout(
+    model: ModelConfig, dims: ParallelDims, recompute_granularity: str | None
+) -> None:
+    """Raise a ValueError for what a MoE model cannot train with: TP without sequence
+    parallelism (megatron-core's MoE layer refuses it) and the routers' balance loss with
+    full recomputation (the recomputed routers would run outside their micro-batch)."""
+    if not model.is_moe:
+        return
+    if dims.tp > 1 and not dims.uses_sequence_parallel:
+        raise ValueError(
+            f"a mixture-of-experts model at TP={dims.tp} needs parallel.sequence_parallel=true "
+            "(megatron-core's MoE layer trains only with it)"
+        )
+    if model.moe_aux_loss_coeff and recompute_granularity == "full":
+        raise ValueError(
+            "model.moe_aux_loss_coeff > 0 with train.recompute_granularity=full is not "
+            "supported: recomputed routers would attach the balance loss outside their "
+            "micro-batch (use selective recomputation)"
+        )
+
+
 @dataclass(frozen=True, kw_only=True)
 class ParallelDims:
     """Model-parallel sizes; the data-parallel size follows from the world size.

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_grpo.config import ModelConfig, OptimConfig, TrainConfig
+from megatron_grpo.config.model import check_moe_layout
 from megatron_grpo.mcore.layers import block_spec
 from megatron_grpo.mcore.parallel import ParallelContext
 
@@ -98,22 +99,12 @@ def _moe(cfg: ModelConfig, ctx: ParallelContext, train: TrainConfig | None) -> d
     """TransformerConfig's MoE fields for ``cfg`` (none for a dense model)."""
     if not cfg.is_moe:
         return {}
-    if cfg.moe_aux_loss_coeff and train is not None and train.recompute_granularity == "full":
-        raise ValueError(
-            "model.moe_aux_loss_coeff > 0 with train.recompute_granularity=full is not "
-            "supported: recomputed routers would attach the balance loss outside their "
-            "micro-batch (use selective recomputation)"
-        )
     if cfg.moe_grouped_gemm and not torch.cuda.is_available():
         raise ValueError(
             "model.moe_grouped_gemm=true needs a GPU (Transformer Engine's grouped GEMM); "
             "on CPU the experts run one after the other (moe_grouped_gemm=false)"
         )
-    if ctx.dims.tp > 1 and not ctx.dims.uses_sequence_parallel:
-        raise ValueError(
-            f"a mixture-of-experts model at TP={ctx.dims.tp} needs "
-            "parallel.sequence_parallel=true (megatron-core's MoE layer trains only with it)"
-        )
+    check_moe_layout(cfg, ctx.dims, train.recompute_granularity if train else None)
     softmax = cfg.moe_router_score_function == "softmax"
     return {
         "num_moe_experts": cfg.num_experts,

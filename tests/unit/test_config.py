@@ -303,3 +303,22 @@ def test_layouts_are_written_with_three_or_four_fields():
     for bad in ("2x1", "2x1x1x1x1", "ax1x1"):
         with pytest.raises(ValueError, match="DPxTPxPPxEP"):
             Layout.parse(bad)
+
+
+def test_moe_layout_refusals_are_named_when_the_config_is_built():
+    cases = {
+        "a mixture-of-experts model at TP=2 needs parallel.sequence_parallel=true": [
+            *MOE,
+            "parallel.tp=2",
+            "parallel.sequence_parallel=false",
+        ],
+        "model.moe_aux_loss_coeff > 0 with train.recompute_granularity=full": [
+            *MOE,
+            "model.moe_aux_loss_coeff=0.01",
+            "train.recompute_granularity=full",
+        ],
+    }
+    for message, overrides in cases.items():
+        with pytest.raises(ValueError, match=re.escape(message)):
+            load_config(None, overrides)
+    load_config(None, [*MOE, "parallel.tp=2", "train.recompute_granularity=full"])  # no aux loss
