@@ -61,3 +61,17 @@ def test_expert_parallel_gradient_matches_single_process(reference, tp, ep):
     assert max(got["spread"].values()) < TOLERANCE * max(
         float(t.abs().max()) for t in got["grads"].values()
     )
+    # the balance loss and the busiest expert's load are those of the whole batch
+    want = reference["metrics"]
+    assert got["metrics"]["moe_aux_loss"] == pytest.approx(want["moe_aux_loss"], rel=1e-6)
+    assert got["metrics"]["moe_max_load"] == want["moe_max_load"]
+
+
+def test_balance_metrics_count_every_routed_token(reference):
+    """4 rows of 12 tokens, top-2: 96 expert slots per layer; the loss is near 1 (even)."""
+    loads = reference["loads"]
+    assert loads.shape == (2, 4) and loads.sum(dim=1).tolist() == [96.0, 96.0]
+    metrics = reference["metrics"]
+    assert metrics["moe_max_load"] == float((loads.max(dim=1).values / 24).max()) >= 1.0
+    # two layers, each sum_s E sum_i f_si P_si / 4 sequences x coeff 0.01, about 1 each
+    assert 0.01 < metrics["moe_aux_loss"] < 0.04

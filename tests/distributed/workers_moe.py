@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from megatron_grpo.algo.logprobs import vocab_parallel_logprobs
@@ -9,7 +11,7 @@ from megatron_grpo.config import ModelConfig, ParallelDims
 from megatron_grpo.mcore.full_state import gather_full_state, load_full_state
 from megatron_grpo.mcore.model import build_model
 from megatron_grpo.mcore.parallel import broadcast_object, init_parallel
-from megatron_grpo.mcore.schedule import TokenBatch, run_schedule, zero_grads
+from megatron_grpo.mcore.schedule import run_schedule, zero_grads
 
 MODEL = ModelConfig(
     num_layers=2,
@@ -25,7 +27,25 @@ MODEL = ModelConfig(
     num_experts=4,
     moe_ffn_hidden_size=32,
     moe_router_topk=2,
+    moe_aux_loss_coeff=0.01,
 )
+
+
+@dataclass
+class Rows:
+    """Rows of one sequence each, with what the routers' balance loss reads."""
+
+    tokens: torch.Tensor
+    position_ids: torch.Tensor
+    seg: torch.Tensor
+    num_samples: int
+    attention_mask: None = None
+
+    @classmethod
+    def of(cls, tokens: torch.Tensor) -> Rows:
+        positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+        seg = torch.arange(tokens.shape[0])[:, None].expand_as(tokens)
+        return cls(tokens, positions, seg, tokens.shape[0])
 
 
 def fixed_tokens(batch: int = 4, seq: int = 12) -> torch.Tensor:
@@ -35,9 +55,12 @@ def fixed_tokens(batch: int = 4, seq: int = 12) -> torch.Tensor:
 
 
 def gradients(tp: int = 1, pp: int = 1, ep: int = 1, init: dict | None = None) -> dict:
-    """One forward/backward of a global token-mean cross-entropy, each DP rank on its rows;
-    the full gradient and parameters on rank 0. Without ``init`` the weights are drawn here
-    and returned; with it, loaded (experts by their global index)."""
+    """One forward/backward of a global token-mean cross-entropy plus the routers' balance
+    loss, each DP rank on its rows; the full gradient and parameters on rank 0, and the
+    step's balance metrics. Without ``init`` the weights are drawn here and returned; with
+    it, loaded (experts by their global index)."""
+    from megatron_grpo.mcore.router_balance import router_balance
+
     ctx = init_parallel(ParallelDims(tp=tp, pp=pp, ep=ep))
     model = build_model(MODEL, ctx)
     if init is None:
@@ -54,7 +77,12 @@ def gradients(tp: int = 1, pp: int = 1, ep: int = 1, init: dict | None = None) -
         return -logp.sum() / num_targets, torch.tensor(logp.numel()), {}
 
     zero_grads(model)
-    run_schedule(model, ctx, [TokenBatch.of(r) for r in rows.chunk(2)], ce)
+    balance = router_balance(model)
+    assert balance is not None
+    balance.start_step(num_sequences=tokens.shape[0])
+    micro_batches = [Rows.of(r) for r in rows.chunk(2)]
+    run_schedule(model, ctx, micro_batches, ce, on_forward=balance.set_batch)
+    metrics = balance.step_metrics()
     spread: dict[str, float] = {}
     grads = gather_full_state(
         model, ctx, vocab_size=MODEL.vocab_size, grads=True, replica_spread=spread
@@ -66,6 +94,8 @@ def gradients(tp: int = 1, pp: int = 1, ep: int = 1, init: dict | None = None) -
         "params": params,
         "spread": spread,
         "ep_rank": ctx.ep_rank,
+        "metrics": metrics,
+        "loads": balance.loads,
     }
 
 
