@@ -174,10 +174,24 @@ class Steps:
             self.model, self.ctx, self.mbs, self.loss_cfg, self.settings, freeze_old=False
         )
         return optimizer_step(
-            self.model, self.optimizer, self.scheduler, self.ctx, self.mbs, self.grpo_fn
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            self.ctx,
+            self.mbs,
+            self.grpo_fn,
+            num_sequences=self.settings.global_batch_size,
         )
 
     def ce(self) -> None:
         from megatron_grpo.train.step import optimizer_step
 
-        optimizer_step(self.model, self.optimizer, self.scheduler, self.ctx, self.mbs, self.ce_fn)
+        optimizer_step(
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            self.ctx,
+            self.mbs,
+            self.ce_fn,
+            num_sequences=self.settings.global_batch_size,
+        )

@@ -1,6 +1,7 @@
 # Shared by examples/run_grpo_<model>.sh: paths, checkpoint conversion, SGLang engines, launch.
 #
-# A run script sets HF_NAME (the Hugging Face directory name), TRAIN_NODES, TP, PP, CP,
+# A run script sets HF_NAME (the Hugging Face directory name), TRAIN_NODES, TP, PP, CP (a
+# mixture-of-experts model also EP, and GPU_MEMORY_GB when its GPUs are not 80 GB ones),
 # ROLLOUT_ARGS and PERF_ARGS (batch sizes, lengths, params dtype), ROLLOUT_NODES, SGLANG_TP and
 # SGLANG_ARGS, then sources this file and calls
 #   run_recipe "$@"
@@ -60,6 +61,7 @@ CKPT_ARGS=(--set tokenizer="$HF_DIR" --set output_dir="$OUTPUT_DIR")
 FROM_HF=(--set train.init="$HF_DIR")
 FROM_MEGATRON=(--set train.init="$MEGATRON_DIR")
 LAYOUT_ARGS=(--set parallel.tp="$TP" --set parallel.pp="$PP" --set parallel.cp="$CP")
+if [ -n "${EP:-}" ]; then LAYOUT_ARGS+=(--set parallel.ep="$EP"); fi
 URL_LIST=$(printf '"%s",' "${ROLLOUT_URLS[@]}")
 TRAIN_ARGS=(
   --config "$EXAMPLES/grpo_math.yaml"
@@ -87,7 +89,7 @@ run_recipe() {
 
 dry_run() {
   megatron-grpo train --dry-run --nnodes "$NNODES" --gpus-per-node "$GPUS_PER_NODE" \
-    "${TRAIN_ARGS[@]}" "${FROM_HF[@]}" "$@"
+    --gpu-memory-gb "${GPU_MEMORY_GB:-80}" "${TRAIN_ARGS[@]}" "${FROM_HF[@]}" "$@"
 }
 
 train() {

@@ -146,12 +146,12 @@ def collate(
     The row length is padded up to a multiple of ``pad_to_multiple`` (sequence
     parallelism splits the sequence over the TP ranks); ``shape`` (rows, length) is a
     least size, reached with empty rows and padding (an interleaved pipeline needs every
-    micro-batch of a step in one shape).
+    micro-batch of a step in one shape). No rows at all make an idle micro-batch, one row
+    of padding: expert-parallel ranks run equally many micro-batches (``plan.split_to_count``).
     """
+    rows = list(rows) or [[]]
     samples = [s for row in rows for s in row]
-    if not samples:
-        raise ValueError("cannot collate an empty micro-batch")
-    longest = max(max(sum(len(s) for s in row) for row in rows), shape[1])
+    longest = max(max(sum(len(s) for s in row) for row in rows), shape[1], 1)
     length = -(-longest // pad_to_multiple) * pad_to_multiple
     B = max(len(rows), shape[0])
     tokens = torch.zeros(B, length, dtype=torch.long)
@@ -186,8 +186,8 @@ def collate(
         seg=seg,
         attention_mask=packed_attention_mask(seg) if any(len(row) > 1 for row in rows) else None,
         rollout_logprobs=rollout if with_rollout else None,
-        group_ids=torch.tensor([s.group for s in samples]),
-        sample_ids=torch.tensor([s.sample_id for s in samples]),
+        group_ids=torch.tensor([s.group for s in samples], dtype=torch.long),
+        sample_ids=torch.tensor([s.sample_id for s in samples], dtype=torch.long),
         seq_tokens=torch.tensor([float(s.num_loss_tokens) for s in samples]),
         num_groups=num_groups,
     )

@@ -20,6 +20,11 @@ filtered, or all tool output) has weight 0 and is not counted in N, G_g or
 T_g; a group whose sequences are all empty is not counted in P. So masking a
 sequence is the same as leaving it out of the batch. A batch with no loss
 tokens at all gives every weight 0 (a zero loss and zero gradient, never NaN).
+
+A mixture-of-experts model adds the routers' load-balancing loss, a second term of J
+(``sequence_balance_loss`` with the weight ``aux_loss_weight``): a balance measured per
+sequence and averaged over the global batch's sequences, so that, like the policy
+loss, it does not depend on how the batch is split over ranks and micro-batches.
 """
 
 from __future__ import annotations
@@ -136,3 +141,51 @@ def sequence_weights(
     if mode == "group-token-mean":
         return safe_inverse(counts.num_groups * counts.group_tokens[g])
     return safe_inverse(counts.num_groups * counts.group_seqs[g] * n)  # group-seq-mean
+
+
+# --------------------------------------------------------------------------- router balance
+
+
+def aux_loss_weight(coeff: float, num_sequences: int) -> float:
+    """v, the weight of each sequence's router balance loss: ``coeff / N`` with N every
+    sequence of the GLOBAL batch (masked ones too: their tokens are routed all the same).
+
+    Known on every rank without a collective: a global batch holds
+    ``train.global_batch_size`` sequences whatever the layout.
+    """
+    if num_sequences < 1:
+        raise ValueError(f"a global batch needs at least one sequence, got {num_sequences}")
+    return coeff / num_sequences
+
+
+def sequence_balance_loss(
+    probs_TE: Tensor,
+    seg_T: Tensor,
+    routed_SE: Tensor,
+    seq_len_S: Tensor,
+    weight: float,
+    *,
+    topk: int,
+) -> Tensor:
+    """One MoE layer's load-balancing loss over the sequences of a micro-batch:
+
+        v sum_s E sum_i f_si P_si,   f_si = c_si / (k n_s),   P_si = (1/n_s) sum_{t in s} p_ti
+
+    with c_si the tokens of sequence s routed to expert i, n_s its tokens (padding
+    excluded), p_ti the router's softmax over all E experts, k the top-k, v
+    ``aux_loss_weight``. It is 1 per sequence when the routing is perfectly even; HF's
+    Qwen3-MoE loss is k times this. Each sequence is whole in one micro-batch of one rank,
+    so the sum over ranks and micro-batches is the same at every layout.
+
+    ``probs_TE`` and ``seg_T`` (sequence index per token, -1 on padding) are this rank's
+    tokens; ``routed_SE`` and ``seq_len_S`` count whole sequences. Under sequence
+    parallelism each TP rank holds a slice of every sequence and this is its share of
+    P: the shares add up over the TP ranks, as their gradients do.
+    """
+    num_experts = probs_TE.shape[1]
+    live = seg_T >= 0
+    mass = probs_TE.new_zeros(len(seq_len_S), num_experts)
+    mass = mass.index_add(0, seg_T[live], probs_TE[live])  # n_s P_si, this rank's share
+    n = seq_len_S.clamp(min=1).to(probs_TE.dtype)
+    f = routed_SE.to(probs_TE.dtype) / (topk * n[:, None])
+    return weight * num_experts * ((f * mass).sum(dim=1) / n).sum()

@@ -57,6 +57,8 @@ def segment_sum(values: Tensor, seg: Tensor, num_segments: int) -> Tensor:
 
 def token_values(per_seq: Tensor, seg: Tensor) -> Tensor:
     """Broadcast a per-sample vector [n] onto positions [B, S] (0 on padding)."""
+    if not per_seq.numel():  # an idle micro-batch: padding only
+        return per_seq.new_zeros(seg.shape)
     out = per_seq[seg.clamp(min=0)]
     return torch.where(seg >= 0, out, torch.zeros_like(out))
 

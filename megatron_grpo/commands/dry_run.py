@@ -177,12 +177,20 @@ def _format_params(r: DryRunReport) -> list[str]:
     vpp = f" VPP={dims.vpp}" if dims.vpp else ""
     lines = [
         f"dry run: {r.world_size} GPUs{nodes}; no process started, nothing allocated",
-        f"layout: DP={r.dp} TP={dims.tp} PP={dims.pp} CP={dims.cp}{vpp}",
+        f"layout: DP={r.dp} TP={dims.tp} PP={dims.pp} CP={dims.cp}{vpp}"
+        + (f" EP={dims.ep}" if m.is_moe else ""),
         f"model: {_billions(total_params(m))} parameters, {m.num_layers} layers, vocabulary "
         f"{m.vocab_size} (padded to {m.padded_vocab_size(dims.tp)} at TP={dims.tp}), "
         f"{m.params_dtype}",
         "parameters per GPU (one TP shard of each stage):",
     ]
+    if m.num_experts is not None:
+        lines.insert(
+            -1,
+            f"experts: {m.num_experts} per layer, top-{m.moe_router_topk}, "
+            f"{m.num_experts // dims.ep} per EP rank (EP={dims.ep}), "
+            f"{_billions(3 * m.hidden_size * m.expert_ffn_hidden_size)} each",
+        )
     for p in r.params:
         parts = [("embedding", p.embedding), ("output layer", p.output_layer)]
         extra = [name for name, n in parts + [("final norm", p.final_norm)] if n]
@@ -206,6 +214,8 @@ def _format_memory(r: DryRunReport) -> list[str]:
     optim = f"{cfg.optim.optimizer}: {' + '.join(states) or 'no state'}"
     if cfg.optim.distributed_optimizer:
         optim += f"; sharded over DP={r.dp} (distributed optimizer)"
+        if m.is_moe:
+            optim += f", experts' over expert-DP={r.dp * dims.tp // dims.ep}"
     else:
         optim += "; not sharded (optim.use_distributed_optimizer=false)"
     vocab_shard = m.padded_vocab_size(dims.tp) // dims.tp

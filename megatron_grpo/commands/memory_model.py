@@ -1,7 +1,8 @@
 """Parameters and peak memory per GPU of each pipeline stage, by arithmetic alone.
 
 Parameter shapes follow from ``ModelConfig`` the way ``megatron_grpo.mcore.model`` builds
-megatron-core's GPTModel (local or Transformer Engine spec: same parameters).
+megatron-core's GPTModel (local or Transformer Engine spec: same parameters). A MoE layer
+holds a router (replicated over TP) and ``num_experts / EP`` whole experts (expert TP 1).
 
 The memory model, per GPU of pipeline stage ``r`` (bytes):
 
@@ -11,13 +12,16 @@ The memory model, per GPU of pipeline stage ``r`` (bytes):
 - optimizer: Adam keeps ``exp_avg`` and ``exp_avg_sq`` in fp32 (8), plus an fp32
   master copy (4) when the params are bf16; plain SGD only the master copy. With
   ``optim.use_distributed_optimizer`` these are sharded over the DP ranks (ZeRO-1:
-  divided by DP); the weights and the fp32 gradient buffer stay whole.
+  divided by DP; an expert's over its expert-DP ranks, DP x TP / EP); the weights and
+  the fp32 gradient buffer stay whole.
 - reference model: a second copy of the weights when ``loss.kl_coef > 0``.
 - activations: per token and layer, in the params dtype, the tensors autograd keeps:
   the residual stream into the two RMSNorms (2h) and their outputs feeding QKV and fc1
   (2h), replicated over TP unless ``parallel.sequence_parallel`` splits them (/ TP);
   q/k/v and the attention output ((2a + 2g)d / TP), the pre-norm q and k with
-  qk_layernorm ((a + g)d / TP), fc1's output and SwiGLU's (3f / TP), and flash
+  qk_layernorm ((a + g)d / TP), fc1's output and SwiGLU's (3f / TP; in a MoE layer each
+  token's k copies through an expert, 3 I k, and its dispatched input and output, 2 h k,
+  over the TP ranks' slices of the sequence), and flash
   attention's fp32 softmax statistics. Unfused attention (an explicit mask: packed
   micro-batches, or no Transformer Engine) also keeps the fp32 softmax output and its
   copy in the params dtype, per head, token and key. Tokens per GPU are
@@ -68,11 +72,22 @@ RESERVED_GIB = 5.0
 # --------------------------------------------------------------------------- parameters
 
 
-def layer_params(m: ModelConfig, tp: int) -> int:
-    """Parameters of one decoder layer on one TP rank."""
+def expert_params(m: ModelConfig, ep: int) -> int:
+    """Parameters of one decoder layer's experts on one EP rank (0 for a dense model)."""
+    if m.num_experts is None:
+        return 0
+    return m.num_experts // ep * 3 * m.hidden_size * m.expert_ffn_hidden_size
+
+
+def layer_params(m: ModelConfig, tp: int, ep: int = 1) -> int:
+    """Parameters of one decoder layer on one TP (and EP) rank."""
     h, d, a, g = m.hidden_size, head_dim(m), m.num_attention_heads, query_groups(m)
     qkv = (a + 2 * g) * d
-    n = (h * qkv + a * d * h + 3 * h * m.ffn_hidden_size) // tp  # qkv, proj, fc1 (x2), fc2
+    n = (h * qkv + a * d * h) // tp  # qkv, proj
+    if m.num_experts is None:
+        n += 3 * h * m.ffn_hidden_size // tp  # fc1 (x2), fc2
+    else:
+        n += m.num_experts * h + expert_params(m, ep)  # router, this rank's experts
     if m.add_qkv_bias:
         n += qkv // tp
     if m.qk_layernorm:
@@ -107,6 +122,8 @@ class StageParams:
     layers: tuple[range, ...]
     """Global indices of the stage's layers, one range per model chunk."""
     layers_params: int
+    expert_params: int
+    """Of ``layers_params``, the experts': their optimizer state shards over expert-DP."""
     embedding: int
     output_layer: int
     """The output layer; with tied embeddings and PP > 1, the last stage's embedding copy."""
@@ -124,7 +141,7 @@ class StageParams:
 def stage_params(m: ModelConfig, dims: ParallelDims) -> list[StageParams]:
     """Per pipeline stage, the parameters of one of its GPUs (the model chunks of that rank)."""
     vocab_shard = m.padded_vocab_size(dims.tp) // dims.tp * m.hidden_size
-    per_layer = layer_params(m, dims.tp)
+    per_layer = layer_params(m, dims.tp, dims.ep)
     chunks = dims.vpp or 1
     stages = []
     for r in range(dims.pp):
@@ -138,6 +155,7 @@ def stage_params(m: ModelConfig, dims: ParallelDims) -> list[StageParams]:
                 stage=r,
                 layers=layers,
                 layers_params=per_layer * sum(len(x) for x in layers),
+                expert_params=expert_params(m, dims.ep) * sum(len(x) for x in layers),
                 embedding=vocab_shard if first else 0,
                 output_layer=vocab_shard if last and separate_output else 0,
                 final_norm=m.hidden_size if last else 0,
@@ -197,8 +215,17 @@ def layer_activations(
         norm_outputs=act * 2 * h / sp,
         attention=act * attention / dims.tp,
         core_attn=core_attn,
-        mlp=act * 3 * m.ffn_hidden_size / dims.tp,
+        mlp=_mlp_activations(m, dims) * act,
     )
+
+
+def _mlp_activations(m: ModelConfig, dims: ParallelDims) -> float:
+    """Elements per token kept by the MLP: SwiGLU's 3f over TP, or in a MoE layer k copies
+    of 3I through whole experts plus the dispatched input and output, over SP."""
+    if m.num_experts is None:
+        return 3 * m.ffn_hidden_size / dims.tp
+    sp = dims.tp if dims.uses_sequence_parallel else 1
+    return m.moe_router_topk * (3 * m.expert_ffn_hidden_size + 2 * m.hidden_size) / sp
 
 
 def activation_bytes_per_token_layer(
@@ -294,6 +321,8 @@ def stage_memory(
     n = params.total
     weight_bytes = DTYPE_BYTES[m.params_dtype]
     shards = dp * dims.cp if cfg.optim.distributed_optimizer else 1
+    expert_shards = dp * dims.tp // dims.ep if cfg.optim.distributed_optimizer else 1
+    experts = params.expert_params
     tokens = cfg.train.max_tokens_per_micro_batch / dims.cp
     unfused = uses_unfused_attention(cfg, unfused_attention)
     per = layer_activations(m, dims, int(tokens), unfused_attention=unfused)
@@ -305,7 +334,8 @@ def stage_memory(
         stage=params.stage,
         weights=n * weight_bytes,
         gradients=n * GRAD_BYTES,
-        optimizer=n * optimizer_bytes_per_param(cfg) / shards,
+        optimizer=optimizer_bytes_per_param(cfg)
+        * ((n - experts) / shards + experts / expert_shards),
         reference=n * weight_bytes if cfg.loss.kl_coef > 0 else 0.0,
         activations=tokens * (kept * in_flight + recomputing),
         logits=tokens * vocab_shard * (weight_bytes + LOGIT_FP32_BYTES) if last else 0.0,

@@ -30,7 +30,7 @@ from megatron_grpo.config.learner import (
     check_mode,
 )
 from megatron_grpo.config.loader import apply_override, dump_config, from_dict, read_yaml, to_dict
-from megatron_grpo.config.model import ModelConfig, ParallelDims
+from megatron_grpo.config.model import ModelConfig, ParallelDims, check_moe_layout
 from megatron_grpo.config.rollout import (
     AdvantageConfig,
     DataConfig,
@@ -100,6 +100,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
 
     def __post_init__(self) -> None:
+        check_moe_layout(self.model, self.parallel, self.train.recompute_granularity)
         rollout_batch = self.rollout.prompts_per_step * self.rollout.samples_per_prompt
         gbs = self.train.global_batch_size or rollout_batch
         if rollout_batch % gbs:

@@ -2,7 +2,9 @@
 
 Only what the megatron model built by ``megatron_grpo.mcore.model`` can reproduce
 exactly is accepted: RMSNorm, SwiGLU, plain RoPE or Llama 3.1's ``llama3``
-RoPE scaling, GQA, bias on Q/K/V only (Qwen2), q/k RMSNorm (Qwen3). Anything
+RoPE scaling, GQA, bias on Q/K/V only (Qwen2), q/k RMSNorm (Qwen3), and
+Qwen3-MoE's every-layer mixture of experts (softmax router, top-k, no shared
+expert). Anything
 else (another architecture, another RoPE scaling, an output-projection bias,
 sliding-window attention) is refused by name, because a model that loads
 but computes something else is worse than one that does not load.
@@ -37,6 +39,8 @@ class Family:
     """Bias on the Q/K/V projections (and nowhere else)."""
     qk_norm: bool
     """RMSNorm over each query and key head."""
+    moe: bool = False
+    """Every layer's MLP is a mixture of experts (``num_experts``)."""
 
 
 FAMILIES: dict[HFFamily, Family] = {
@@ -45,6 +49,14 @@ FAMILIES: dict[HFFamily, Family] = {
         Family("LlamaForCausalLM", "llama", "LlamaConfig", qkv_bias=False, qk_norm=False),
         Family("Qwen2ForCausalLM", "qwen2", "Qwen2Config", qkv_bias=True, qk_norm=False),
         Family("Qwen3ForCausalLM", "qwen3", "Qwen3Config", qkv_bias=False, qk_norm=True),
+        Family(
+            "Qwen3MoeForCausalLM",
+            "qwen3_moe",
+            "Qwen3MoeConfig",
+            qkv_bias=False,
+            qk_norm=True,
+            moe=True,
+        ),
     )
 }
 
@@ -64,6 +76,10 @@ HF_NAMES: dict[str, str] = {
     "add_qkv_bias": "qkv bias (attention_bias / Qwen2)",
     "qk_layernorm": "qk norm (q_norm/k_norm, Qwen3)",
     "hf_family": "model_type",
+    "num_experts": "num_experts",
+    "moe_ffn_hidden_size": "moe_intermediate_size",
+    "moe_router_topk": "num_experts_per_tok",
+    "moe_norm_topk_prob": "norm_topk_prob",
 }
 """The ``ModelConfig`` fields an HF config determines, and what the HF config calls them."""
 
@@ -172,6 +188,35 @@ def _refuse_unsupported(hf_config: Any, family: Family) -> None:
         )
     if _get(hf_config, "use_sliding_window", False):
         raise ValueError("HF config use_sliding_window=True is not supported")
+    if family.moe:
+        if _get(hf_config, "decoder_sparse_step", 1) != 1 or _get(hf_config, "mlp_only_layers"):
+            raise ValueError(
+                "HF config decoder_sparse_step != 1 or mlp_only_layers is not supported "
+                "(every layer must be a mixture of experts)"
+            )
+        if _num_experts(hf_config) is None:
+            raise ValueError("HF config has no num_experts")
+        for key in ("num_experts_per_tok", "moe_intermediate_size"):
+            if _get(hf_config, key) is None:
+                raise ValueError(f"HF config has no {key}")
+
+
+def _num_experts(hf_config: Any) -> int | None:
+    """``num_experts``; transformers 5 writes it as ``num_local_experts``."""
+    return _get(hf_config, "num_experts") or _get(hf_config, "num_local_experts")
+
+
+def _moe_fields(hf_config: Any, family: Family) -> dict[str, Any]:
+    """``ModelConfig``'s expert fields of an HF MoE config (none for a dense family). The
+    router's aux-loss coefficient is a training choice: set ``model.moe_aux_loss_coeff``."""
+    if not family.moe:
+        return {}
+    return {
+        "num_experts": _num_experts(hf_config),
+        "moe_ffn_hidden_size": _get(hf_config, "moe_intermediate_size"),
+        "moe_router_topk": _get(hf_config, "num_experts_per_tok"),
+        "moe_norm_topk_prob": bool(_get(hf_config, "norm_topk_prob", False)),
+    }
 
 
 def model_config_from_hf(hf_config: Any) -> ModelConfig:
@@ -205,6 +250,7 @@ def model_config_from_hf(hf_config: Any) -> ModelConfig:
         qk_layernorm=family.qk_norm,
         tie_embeddings=bool(_get(hf_config, "tie_word_embeddings", False)),
         hf_family=family.model_type,
+        **_moe_fields(hf_config, family),
     )
 
 
@@ -232,6 +278,10 @@ _CHECKED_FIELDS = (
     "tie_embeddings",
     "add_qkv_bias",
     "qk_layernorm",
+    "num_experts",
+    "moe_ffn_hidden_size",
+    "moe_router_topk",
+    "moe_norm_topk_prob",
 )
 """The fields ``check_hf_config`` compares: those the weights' shapes and values depend on."""
 
@@ -262,3 +312,9 @@ def check_family(model_cfg: ModelConfig, family: Family) -> None:
                 f"model.{field}={getattr(model_cfg, field)} does not fit {family.architecture}, "
                 f"which has {field}={wanted}"
             )
+    if model_cfg.is_moe != family.moe:
+        kind = "a mixture of experts" if family.moe else "dense"
+        raise ValueError(
+            f"model.num_experts={model_cfg.num_experts} does not fit {family.architecture}, "
+            f"which is {kind}"
+        )

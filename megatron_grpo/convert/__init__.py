@@ -4,6 +4,8 @@
   reading an HF ``config.json`` into a ``ModelConfig`` is ``megatron_grpo.config.hf``).
 - ``layout``: tensor re-layouts (fused QKV, fused gate/up, vocab padding).
 - ``weights``: parameter names and layer-by-layer conversion of full tensors.
+- ``experts``: the names of a mixture-of-experts layer's router and experts, global
+  and per expert-parallel rank.
 - ``sharding``: TP shards of full tensors and the PP layer split.
 - ``hf_files``: streaming reads and writes of HF safetensors checkpoints.
 

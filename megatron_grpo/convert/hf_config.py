@@ -15,7 +15,8 @@ from megatron_grpo.config.hf import LLAMA3_ROPE, Family, check_family, get_famil
 def hf_config_from_model_config(model_cfg: ModelConfig, family: str | Family) -> Any:
     """The transformers config of ``family`` for ``model_cfg``.
 
-    ``family`` is a model type (``llama``, ``qwen2``, ``qwen3``) or an architecture name.
+    ``family`` is a model type (``llama``, ``qwen2``, ``qwen3``, ``qwen3_moe``) or an
+    architecture name.
     """
     import transformers
 
@@ -36,7 +37,23 @@ def hf_config_from_model_config(model_cfg: ModelConfig, family: str | Family) ->
         tie_word_embeddings=model_cfg.tie_embeddings,
         hidden_act="silu",
         **_rope_kwargs(model_cfg.rotary_base, model_cfg.rope_scaling_factor),
+        **_moe_kwargs(model_cfg),
     )
+
+
+def _moe_kwargs(cfg: ModelConfig) -> dict[str, Any]:
+    """Qwen3-MoE's expert fields: every layer a mixture of experts, no shared expert."""
+    if not cfg.is_moe:
+        return {}
+    return {
+        "num_experts": cfg.num_experts,
+        "num_experts_per_tok": cfg.moe_router_topk,
+        "moe_intermediate_size": cfg.expert_ffn_hidden_size,
+        "norm_topk_prob": cfg.moe_norm_topk_prob,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "router_aux_loss_coef": cfg.moe_aux_loss_coeff,
+    }
 
 
 def _rope_kwargs(theta: float, factor: float | None) -> dict[str, Any]:

@@ -12,6 +12,8 @@ back, bitwise. The layouts follow megatron-core's parallel layers:
 - row-parallel ``linear_proj``, ``linear_fc2``: dim 1.
 - embedding and output layer: vocab rows, padded to ``padded_vocab_size(tp)``.
 - norms: replicated.
+- a MoE layer's router, and its experts (expert TP is 1: whole experts, over EP instead):
+  replicated over TP.
 """
 
 from __future__ import annotations
@@ -38,7 +40,9 @@ _SUFFIX_LAYOUTS: dict[str, TpLayout] = {
 
 def tp_layout(name: str) -> TpLayout:
     """How megatron splits parameter ``name`` (either spec's name) over TP ranks."""
-    if name.endswith(("layernorm.weight", "layer_norm_weight")):
+    if name.endswith(("layernorm.weight", "layer_norm_weight", ".mlp.router.weight")):
+        return "replicated"
+    if ".mlp.experts." in name:
         return "replicated"
     if name in (MEGATRON_EMBEDDING, MEGATRON_OUTPUT):
         return "vocab"

@@ -10,6 +10,9 @@ The Transformer Engine spec fuses the two pre-norms into the following
 linear layers (``...linear_qkv.layer_norm_weight``); ``fused_norms=True``
 produces those names, and every megatron -> HF function accepts either.
 ``_extra_state`` entries carry no weights and are ignored.
+
+A mixture-of-experts layer (Qwen3-MoE) has a router and experts where a dense one has its
+MLP; their names are ``convert.experts``'s.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 
 from megatron_grpo.config import ModelConfig
 from megatron_grpo.config.hf import Family, check_family, get_family, head_dim, query_groups
+from megatron_grpo.convert.experts import moe_gate_up, moe_hf_shapes, moe_renamed
 from megatron_grpo.convert.layout import (
     fuse_gate_up,
     fuse_qkv,
@@ -58,14 +62,28 @@ def _renamed(cfg: ModelConfig) -> list[tuple[str, str]]:
         ("input_layernorm.weight", "input_layernorm.weight"),
         ("self_attn.o_proj.weight", "self_attention.linear_proj.weight"),
         ("post_attention_layernorm.weight", "pre_mlp_layernorm.weight"),
-        ("mlp.down_proj.weight", "mlp.linear_fc2.weight"),
     ]
+    pairs += moe_renamed(cfg) if cfg.is_moe else [("mlp.down_proj.weight", "mlp.linear_fc2.weight")]
     if cfg.qk_layernorm:
         pairs += [
             ("self_attn.q_norm.weight", "self_attention.q_layernorm.weight"),
             ("self_attn.k_norm.weight", "self_attention.k_layernorm.weight"),
         ]
     return pairs
+
+
+def _gate_up(cfg: ModelConfig) -> list[tuple[str, str, str]]:
+    """(HF gate suffix, HF up suffix, megatron fused ``linear_fc1`` suffix) of each MLP."""
+    if cfg.is_moe:
+        return moe_gate_up(cfg)
+    return [("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.linear_fc1.weight")]
+
+
+def _fused_name(name: str, cfg: ModelConfig) -> str:
+    """The Transformer Engine spec name; its MoE layer keeps a separate pre-MLP norm."""
+    if cfg.is_moe and name.endswith("pre_mlp_layernorm.weight"):
+        return name
+    return te_megatron_name(name)
 
 
 def _qkv_params(cfg: ModelConfig) -> list[str]:
@@ -83,10 +101,12 @@ def _hf_layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         "self_attn.v_proj.weight": (kv_out, hidden),
         "self_attn.o_proj.weight": (hidden, q_out),
         "post_attention_layernorm.weight": (hidden,),
-        "mlp.gate_proj.weight": (ffn, hidden),
-        "mlp.up_proj.weight": (ffn, hidden),
-        "mlp.down_proj.weight": (hidden, ffn),
     }
+    if cfg.is_moe:
+        shapes |= moe_hf_shapes(cfg)
+    else:
+        shapes |= {"mlp.gate_proj.weight": (ffn, hidden), "mlp.up_proj.weight": (ffn, hidden)}
+        shapes |= {"mlp.down_proj.weight": (hidden, ffn)}
     if cfg.add_qkv_bias:
         shapes |= {"self_attn.q_proj.bias": (q_out,), "self_attn.k_proj.bias": (kv_out,)}
         shapes |= {"self_attn.v_proj.bias": (kv_out,)}
@@ -102,8 +122,8 @@ def _megatron_layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     for p in _qkv_params(cfg):
         q, k, v = (hf[f"self_attn.{x}_proj.{p}"] for x in "qkv")
         shapes[f"self_attention.linear_qkv.{p}"] = (q[0] + k[0] + v[0], *q[1:])
-    gate, up = hf["mlp.gate_proj.weight"], hf["mlp.up_proj.weight"]
-    shapes["mlp.linear_fc1.weight"] = (gate[0] + up[0], *gate[1:])
+    for gate, up, fc1 in _gate_up(cfg):
+        shapes[fc1] = (hf[gate][0] + hf[up][0], *hf[gate][1:])
     return shapes
 
 
@@ -130,10 +150,9 @@ def megatron_layer_keys(
     """The megatron tensor names of decoder layer ``layer_idx`` (``_extra_state`` excluded)."""
     suffixes = [m for _, m in _renamed(cfg)]
     suffixes += [f"self_attention.linear_qkv.{p}" for p in _qkv_params(cfg)]
-    suffixes += ["mlp.linear_fc1.weight"]
-    if fused_norms:
-        suffixes = [_TE_NORM_NAMES.get(s, s) for s in suffixes]
-    return [f"decoder.layers.{layer_idx}.{s}" for s in suffixes]
+    suffixes += [fc1 for _, _, fc1 in _gate_up(cfg)]
+    names = [f"decoder.layers.{layer_idx}.{s}" for s in suffixes]
+    return [_fused_name(n, cfg) for n in names] if fused_norms else names
 
 
 def hf_global_keys(cfg: ModelConfig) -> list[str]:
@@ -214,7 +233,7 @@ def _check_keys(got: Iterable[str], expected: Iterable[str], what: str, optional
     if unexpected:
         raise ValueError(
             f"unexpected {what} weight {unexpected[0]!r}; does the model config "
-            "(qkv bias, qk norm, tied embeddings, number of layers) match the checkpoint?"
+            "(qkv bias, qk norm, tied embeddings, number of layers, experts) match the checkpoint?"
         )
 
 
@@ -236,9 +255,9 @@ def hf_layer_to_megatron(
         out[f"{mc_pre}self_attention.linear_qkv.{p}"] = fuse_qkv(
             q, k, v, num_query_groups=query_groups(cfg)
         )
-    gate, up = hf[hf_pre + "mlp.gate_proj.weight"], hf[hf_pre + "mlp.up_proj.weight"]
-    out[mc_pre + "mlp.linear_fc1.weight"] = fuse_gate_up(gate, up)
-    return {te_megatron_name(k): v for k, v in out.items()} if fused_norms else out
+    for gate, up, fc1 in _gate_up(cfg):
+        out[mc_pre + fc1] = fuse_gate_up(hf[hf_pre + gate], hf[hf_pre + up])
+    return {_fused_name(k, cfg): v for k, v in out.items()} if fused_norms else out
 
 
 def megatron_layer_to_hf(
@@ -258,8 +277,8 @@ def megatron_layer_to_hf(
             head_dim=head_dim(cfg),
         )
         out |= {f"{hf_pre}self_attn.{x}_proj.{p}": t for x, t in zip("qkv", (q, k, v))}
-    gate, up = split_gate_up(mc[mc_pre + "mlp.linear_fc1.weight"])
-    out |= {hf_pre + "mlp.gate_proj.weight": gate, hf_pre + "mlp.up_proj.weight": up}
+    for gate, up, fc1 in _gate_up(cfg):
+        out[hf_pre + gate], out[hf_pre + up] = split_gate_up(mc[mc_pre + fc1])
     return out
 
 

@@ -5,15 +5,21 @@ calls (schedules, causal masks, grad clipping, also in the forward that activati
 recomputation reruns during backward), ``torch.cuda.current_device()``
 (p2p communication, DDP buffers, rotary embeddings), the CUDA RNG behind the
 model-parallel RNG tracker, and a ``param.grad.type() == 'torch.cuda.FloatTensor'``
-assertion in grad clipping. On a machine without CUDA, :func:`install` routes all
-of them to the CPU. With CUDA present it does nothing, so the same code runs
-unchanged on GPUs with nccl and Transformer Engine.
+assertion in grad clipping. Its MoE layer adds three: the alltoall token dispatcher
+copies its split sizes to the host on a side ``torch.cuda.Stream`` and waits on an
+event, and hands ``all_to_all_single`` those sizes as numpy arrays only when the
+tensors were on a GPU (CPU tensors stay tensors, which gloo refuses); the router's
+gate names ``te_general_gemm``, defined only when Transformer Engine is importable.
+On a machine without CUDA, :func:`install` routes all of them to the CPU. With CUDA
+present it does nothing, so the same code runs unchanged on GPUs with nccl and
+Transformer Engine.
 
 This is the only module in the project that knows about the difference.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -71,6 +77,64 @@ def _set_cpu_rng_state(new_state: torch.Tensor, *_args: Any, **_kwargs: Any) -> 
     torch.set_rng_state(new_state)
 
 
+class _HostEvent:
+    """A CUDA event on the host: work is already done when it is recorded."""
+
+    def record(self, *_args: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, *_args: Any) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class _HostStream:
+    """A CUDA stream on the host: everything runs in order, so waits are no-ops."""
+
+    def __init__(self, *_args: Any, **_kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, _other: Any) -> None:
+        pass
+
+    def wait_event(self, _event: Any) -> None:
+        pass
+
+    def record_event(self, event: _HostEvent | None = None) -> _HostEvent:
+        return event or _HostEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+
+_HOST_STREAM = _HostStream()
+
+
+def _host_split_sizes(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+    """megatron-core's ``maybe_move_tensor_to_cpu`` for tensors already on the host: the
+    numpy array that ``all_to_all_single`` takes as split sizes, as the GPU path gives."""
+    if as_numpy and torch.is_tensor(tensor):
+        return tensor.numpy()
+    return tensor
+
+
+def _install_moe_stand_ins() -> None:
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    torch.cuda.Stream = _HostStream  # type: ignore[assignment,misc]
+    torch.cuda.Event = _HostEvent  # type: ignore[assignment,misc]
+    torch.cuda.current_stream = lambda *a, **k: _HOST_STREAM  # type: ignore[assignment,return-value]
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()  # type: ignore[assignment]
+    token_dispatcher.maybe_move_tensor_to_cpu = _host_split_sizes  # type: ignore[attr-defined]
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None  # type: ignore[attr-defined]
+
+
 def install() -> None:
     """Activate the CPU stand-ins for CUDA. Idempotent; a no-op when CUDA is present."""
     global _installed
@@ -90,6 +154,7 @@ def install() -> None:
     # runs outside the function mode: the recomputed forward needs the mode too.
     for fn in (mcore_random.CheckpointFunction, mcore_random.CheckpointWithoutOutputFunction):
         fn.backward = staticmethod(_in_cpu_mode(fn.backward))  # type: ignore[method-assign]
+    _install_moe_stand_ins()
     _CudaToCpuMode().__enter__()
     _installed = True
 

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megatron_grpo.config import ModelConfig
+from megatron_grpo.convert.experts import global_expert_name, unstack_expert_axes
 from megatron_grpo.convert.sharding import chunk_layer_range, shard_for_rank
 from megatron_grpo.convert.weights import (
     MEGATRON_EMBEDDING,
@@ -80,9 +81,12 @@ def _local_shards(model: list) -> list[tuple[str, int, tuple[int, ...], tuple, T
 
 
 def _full_names(key: str, prepend: int, full: Tensor) -> dict[str, Tensor]:
-    """Unstack a tensor with a prepended layer axis into per-layer state-dict names."""
+    """Unstack a tensor with a prepended layer axis (and, for experts, an expert axis) into
+    per-layer (per-expert) state-dict names."""
     if prepend == 0:
         return {key: full}
+    if prepend == 2:
+        return unstack_expert_axes(key, full)
     assert prepend == 1, f"{key}: {prepend} prepended axes are not supported"
     stem, _, leaf = key.rpartition("layers.")
     return {f"{stem}layers.{i}.{leaf}": full[i] for i in range(full.shape[0])}
@@ -151,8 +155,10 @@ def gather_full_state(
 def chunk_params(
     model_chunk: torch.nn.Module, cfg: ModelConfig, ctx: ParallelContext
 ) -> dict[str, Tensor]:
-    """A chunk's parameters under global, local-spec names (``_extra_state`` left out)."""
+    """A chunk's parameters under global (layer and expert), local-spec names
+    (``_extra_state`` left out)."""
     model = unwrap(model_chunk)
+    num_local_experts = (cfg.num_experts or 0) // ctx.dims.ep
     vp_stage = getattr(model, "vp_stage", None) or 0
     layers = chunk_layer_range(cfg.num_layers, ctx.pp_rank, ctx.dims.pp, vp_stage, ctx.dims.vpp)
     params = {}
@@ -161,6 +167,7 @@ def chunk_params(
             continue
         local = megatron_key_layer(name)
         full_name = name if local is None else with_layer_index(name, layers[local])
+        full_name = global_expert_name(full_name, ctx.ep_rank, num_local_experts)
         params[canonical_megatron_name(full_name)] = tensor
     return params
 

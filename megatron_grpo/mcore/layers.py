@@ -33,10 +33,16 @@ class RMSNorm(torch.nn.RMSNorm):
 
 
 def local_layer_spec(cfg: ModelConfig):
-    """megatron-core's local layer spec with every norm an ``RMSNorm``."""
+    """megatron-core's local layer spec with every norm an ``RMSNorm``; with experts, its
+    MoE layer (router, alltoall dispatcher, experts run one by one: SequentialMLP)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    spec = get_gpt_layer_local_spec(qk_layernorm=cfg.qk_layernorm, normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(
+        num_experts=cfg.num_experts,
+        moe_grouped_gemm=False,
+        qk_layernorm=cfg.qk_layernorm,
+        normalization="RMSNorm",
+    )
     layer = spec.submodules
     layer.input_layernorm = RMSNorm
     layer.pre_mlp_layernorm = RMSNorm
@@ -61,7 +67,11 @@ def block_spec(cfg: ModelConfig, tcfg, *, vp_stage: int | None, pp_rank: int):
             get_gpt_layer_with_transformer_engine_spec,
         )
 
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=cfg.qk_layernorm)
+        return get_gpt_layer_with_transformer_engine_spec(
+            num_experts=cfg.num_experts,
+            moe_grouped_gemm=cfg.moe_grouped_gemm,
+            qk_layernorm=cfg.qk_layernorm,
+        )
     num_layers = get_num_layers_to_build(tcfg, vp_stage=vp_stage, pp_rank=pp_rank)
     submodules = TransformerBlockSubmodules(
         layer_specs=[local_layer_spec(cfg)] * num_layers, layer_norm=RMSNorm

@@ -12,13 +12,13 @@ the loss function alone decides the scale of the gradient.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from megatron_grpo.config import ModelConfig, OptimConfig, TrainConfig
+from megatron_grpo.config.model import check_moe_layout
 from megatron_grpo.mcore.layers import block_spec
 from megatron_grpo.mcore.parallel import ParallelContext
 
@@ -41,6 +41,7 @@ def transformer_config(cfg: ModelConfig, ctx: ParallelContext, train: TrainConfi
         num_layers=cfg.num_layers,
         num_attention_heads=cfg.num_attention_heads,
         num_query_groups=cfg.num_query_groups or cfg.num_attention_heads,
+        num_experts=cfg.num_experts,
     )
     dtype = DTYPES[cfg.params_dtype]
     return TransformerConfig(
@@ -84,13 +85,43 @@ def transformer_config(cfg: ModelConfig, ctx: ParallelContext, train: TrainConfi
         # them), so the handshake is not needed, and unbatched p2p keeps each direction apart.
         variable_seq_lengths=ctx.dims.vpp is None,
         batch_p2p_comm=ctx.dims.vpp is None,
-        moe_token_dispatcher_type="alltoall",  # required by variable_seq_lengths; no MoE here
+        moe_token_dispatcher_type="alltoall",  # required by variable_seq_lengths
+        **_moe(cfg, ctx, train),
         sequence_parallel=ctx.dims.uses_sequence_parallel,
         **_recompute(train),
         # The loss owns normalization: no division by micro-batch count or DP size.
         calculate_per_token_loss=True,
-        finalize_model_grads_func=functools.partial(_finalize_grads, pg=ctx.pg),
+        finalize_model_grads_func=_FinalizeGrads(ctx.pg),
     )
+
+
+def _moe(cfg: ModelConfig, ctx: ParallelContext, train: TrainConfig | None) -> dict:
+    """TransformerConfig's MoE fields for ``cfg`` (none for a dense model)."""
+    if not cfg.is_moe:
+        return {}
+    if cfg.moe_grouped_gemm and not torch.cuda.is_available():
+        raise ValueError(
+            "model.moe_grouped_gemm=true needs a GPU (Transformer Engine's grouped GEMM); "
+            "on CPU the experts run one after the other (moe_grouped_gemm=false)"
+        )
+    check_moe_layout(cfg, ctx.dims, train.recompute_granularity if train else None)
+    softmax = cfg.moe_router_score_function == "softmax"
+    return {
+        "num_moe_experts": cfg.num_experts,
+        "moe_ffn_hidden_size": cfg.expert_ffn_hidden_size,
+        "moe_router_topk": cfg.moe_router_topk,
+        "moe_router_score_function": cfg.moe_router_score_function,
+        # softmax then top-k (unnormalized), or top-k logits then softmax (normalized)
+        "moe_router_pre_softmax": softmax and not cfg.moe_norm_topk_prob,
+        "moe_expert_capacity_factor": cfg.moe_capacity_factor,
+        "moe_token_drop_policy": cfg.moe_token_drop_policy,
+        # megatron-core's aux loss is per micro-batch: mcore.router_balance owns the term
+        "moe_router_load_balancing_type": "none",
+        "moe_aux_loss_coeff": 0.0,
+        "moe_grouped_gemm": cfg.moe_grouped_gemm,
+        "expert_model_parallel_size": ctx.dims.ep,
+        "expert_tensor_parallel_size": 1,
+    }
 
 
 def _recompute(train: TrainConfig | None) -> dict:
@@ -118,6 +149,24 @@ def _finalize_grads(model, num_tokens=None, pg_collection=None, force_all_reduce
     finalize_model_grads(
         model, num_tokens=None, pg_collection=pg, force_all_reduce=force_all_reduce
     )
+
+
+class _FinalizeGrads:
+    """``_finalize_grads`` bound to the layout's process groups.
+
+    Not a ``functools.partial``: megatron-core deep-copies the TransformerConfig that holds
+    it (SequentialMLP does, for experts narrower than the dense MLP) and process groups
+    cannot be copied; a copy of this is this same object.
+    """
+
+    def __init__(self, pg) -> None:
+        self.pg = pg
+
+    def __call__(self, model, num_tokens=None, pg_collection=None, force_all_reduce=False):
+        _finalize_grads(model, num_tokens, pg_collection, force_all_reduce, pg=self.pg)
+
+    def __deepcopy__(self, memo) -> _FinalizeGrads:
+        return self
 
 
 def build_gpt(
@@ -169,6 +218,10 @@ def build_model(
 
     stages = [None] if ctx.dims.vpp is None else list(range(ctx.dims.vpp))
     chunks = [build_gpt(cfg, ctx, train=train, vp_stage=s) for s in stages]
+    if cfg.is_moe:
+        from megatron_grpo.mcore.router_balance import RouterBalance
+
+        chunks[0].router_balance = RouterBalance(chunks, cfg, ctx)
     if torch.cuda.is_available():
         chunks = [c.cuda() for c in chunks]
     if not wrap_ddp:

@@ -35,7 +35,11 @@ class ParallelContext:
     pp_rank: int
     cp_rank: int
     pg: object
-    """megatron-core ``ProcessGroupCollection`` (tp, pp, cp, dp, dp_cp, mp, embd, ...)."""
+    """megatron-core ``ProcessGroupCollection`` (tp, pp, cp, dp, dp_cp, mp, embd, ep,
+    expt_tp, expt_dp, ...)."""
+    ep_rank: int = 0
+    """This rank's place in the expert-parallel group: it holds experts
+    ``[ep_rank * E / ep, (ep_rank + 1) * E / ep)`` of every MoE layer."""
 
     @property
     def tp_group(self) -> dist.ProcessGroup:
@@ -53,6 +57,11 @@ class ParallelContext:
     def dp_cp_group(self) -> dist.ProcessGroup:
         """The group that holds distinct data: where loss denominators are all-reduced."""
         return self.pg.dp_cp  # type: ignore[attr-defined]
+
+    @property
+    def ep_group(self) -> dist.ProcessGroup:
+        """The ranks that split one MoE layer's experts between them (all-to-all)."""
+        return self.pg.ep  # type: ignore[attr-defined]
 
     @property
     def is_first_stage(self) -> bool:
@@ -94,6 +103,8 @@ def init_parallel(
         pipeline_model_parallel_size=dims.pp,
         virtual_pipeline_model_parallel_size=dims.vpp,
         context_parallel_size=dims.cp,
+        expert_model_parallel_size=dims.ep,
+        expert_tensor_parallel_size=1,  # whole experts on each rank (ParallelDims)
         distributed_timeout_minutes=timeout_minutes,
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
@@ -108,6 +119,7 @@ def init_parallel(
         pp_rank=dist.get_rank(pg.pp),
         cp_rank=dist.get_rank(pg.cp),
         pg=pg,
+        ep_rank=dist.get_rank(pg.ep),
     )
 
 

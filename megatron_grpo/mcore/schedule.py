@@ -56,10 +56,13 @@ def run_schedule(
     loss_fn: LossFn[Batch],
     *,
     forward_only: bool = False,
+    on_forward: Callable[[Batch], None] | None = None,
 ) -> list[dict]:
     """Run forward (and backward) over ``micro_batches``; return the last stage's metrics.
 
     On ranks that are not the last pipeline stage the returned list is empty.
+    ``on_forward(micro_batch)`` runs on every stage just before the micro-batch's forward
+    (the routers' balance loss reads which sequences it holds).
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
@@ -73,6 +76,8 @@ def run_schedule(
         batch = next(data_iterator)
         tokens, positions, mask = _padded(batch, multiple)
         length = batch.tokens.shape[1]
+        if on_forward is not None:
+            on_forward(batch)
         logits = chunk(tokens, positions, mask)
         return logits, lambda output: loss_fn(batch, output[:, :length])
 

@@ -6,13 +6,26 @@ from typing import Any
 
 import torch
 
-_CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}
-_ROPE_THETA = {"llama": 500000.0, "qwen2": 1000000.0, "qwen3": 1000000.0}
+_CONFIG_CLASSES = {
+    "llama": "LlamaConfig",
+    "qwen2": "Qwen2Config",
+    "qwen3": "Qwen3Config",
+    "qwen3_moe": "Qwen3MoeConfig",
+}
+_ROPE_THETA = {"llama": 500000.0, "qwen2": 1000000.0, "qwen3": 1000000.0, "qwen3_moe": 1e6}
+_MOE = {
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "norm_topk_prob": True,
+}
+"""Qwen3-MoE's experts: 4, top-2 renormalized, narrower than the dense width (as in the
+real models)."""
 
 
 def tiny_hf_config(family: str, *, tied: bool = False, vocab_size: int = 200, **overrides: Any):
-    """A tiny config of ``family`` (llama, qwen2, qwen3) with GQA; Qwen3's head_dim is not
-    hidden / heads, so that layouts which assume it are caught."""
+    """A tiny config of ``family`` (llama, qwen2, qwen3, qwen3_moe) with GQA; Qwen3's head_dim
+    is not hidden / heads, so that layouts which assume it are caught."""
     import transformers
 
     kwargs: dict[str, Any] = dict(
@@ -27,8 +40,10 @@ def tiny_hf_config(family: str, *, tied: bool = False, vocab_size: int = 200, **
         tie_word_embeddings=tied,
         rope_theta=_ROPE_THETA[family],
     )
-    if family == "qwen3":
+    if family in ("qwen3", "qwen3_moe"):
         kwargs["head_dim"] = 32
+    if family == "qwen3_moe":
+        kwargs |= _MOE
     return getattr(transformers, _CONFIG_CLASSES[family])(**(kwargs | overrides))
 
 

@@ -125,23 +125,45 @@ def split_to_multiple(micro_batches: list[list[list[int]]], multiple: int) -> li
     """
     out = [list(mb) for mb in micro_batches]
     while not out or len(out) % multiple:
-        sizes = [sum(len(row) for row in mb) for mb in out]
-        if not out or max(sizes) < 2:
+        if not _split_fullest(out):
             raise ValueError(
-                f"{sum(sizes)} samples on a DP rank cannot make a multiple of {multiple} "
-                "micro-batches, as the interleaved pipeline schedule (parallel.vpp) needs; "
-                "give each DP rank more samples (train.global_batch_size) or set parallel.vpp "
-                "to null"
+                f"{sum(map(_num_samples, out))} samples on a DP rank cannot make a multiple of "
+                f"{multiple} micro-batches, as the interleaved pipeline schedule (parallel.vpp) "
+                "needs; give each DP rank more samples (train.global_batch_size) or set "
+                "parallel.vpp to null"
             )
-        i = max(range(len(out)), key=lambda k: (sizes[k], -k))
-        mb = out[i]
-        if len(mb) > 1:
-            halves = [mb[: len(mb) // 2], mb[len(mb) // 2 :]]
-        else:
-            row = mb[0]
-            halves = [[row[: len(row) // 2]], [row[len(row) // 2 :]]]
-        out[i : i + 1] = halves
     return out
+
+
+def split_to_count(micro_batches: list[list[list[int]]], count: int) -> list[list[list[int]]]:
+    """``count`` micro-batches: the fullest halved while one holds two samples or more, then
+    idle ones (no rows) added. Expert parallelism needs it: the all-to-all of every MoE
+    layer pairs the forward passes of its EP ranks, so they run equally many."""
+    out = [list(mb) for mb in micro_batches]
+    while len(out) < count and _split_fullest(out):
+        pass
+    return out + [[] for _ in range(count - len(out))]
+
+
+def _num_samples(mb: list[list[int]]) -> int:
+    return sum(len(row) for row in mb)
+
+
+def _split_fullest(out: list[list[list[int]]]) -> bool:
+    """Halve, in place, the micro-batch with the most samples (its rows, or the samples of
+    its one packed row); False when none holds two."""
+    sizes = [_num_samples(mb) for mb in out]
+    if not out or max(sizes) < 2:
+        return False
+    i = max(range(len(out)), key=lambda k: (sizes[k], -k))
+    mb = out[i]
+    if len(mb) > 1:
+        halves = [mb[: len(mb) // 2], mb[len(mb) // 2 :]]
+    else:
+        row = mb[0]
+        halves = [[row[: len(row) // 2]], [row[len(row) // 2 :]]]
+    out[i : i + 1] = halves
+    return True
 
 
 def plan(lengths: Sequence[int], *, dp_size: int, max_tokens: int, packed: bool) -> Plan:

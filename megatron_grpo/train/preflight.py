@@ -23,6 +23,7 @@ def check_layout(cfg: Config, world_size: int) -> int:
         num_layers=m.num_layers,
         num_attention_heads=m.num_attention_heads,
         num_query_groups=query_groups(m),
+        num_experts=m.num_experts,
     )
     if m.ffn_hidden_size % dims.tp:
         raise ValueError(

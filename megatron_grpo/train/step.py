@@ -31,8 +31,9 @@ from megatron_grpo.algo.loss import METRIC_SUMS, grpo_loss, set_loss_weights
 from megatron_grpo.config import LossConfig
 from megatron_grpo.mcore.device import compute_device
 from megatron_grpo.mcore.parallel import ParallelContext
+from megatron_grpo.mcore.router_balance import router_balance
 from megatron_grpo.mcore.schedule import LossFn, run_schedule, zero_grads
-from megatron_grpo.train.plan import plan, split_to_multiple
+from megatron_grpo.train.plan import plan, split_to_count, split_to_multiple
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,10 +90,12 @@ def plan_micro_batches(
         max_tokens=settings.max_tokens_per_micro_batch,
         packed=settings.pack,
     )
-    rank_plan = p.micro_batches(ctx.dp_rank)
+    rank_plan = _rank_plan(p, ctx, ctx.dp_rank)
+    if ctx.dims.ep > 1:  # the MoE all-to-alls pair the EP ranks' forwards: equal counts
+        count = max(len(_rank_plan(p, ctx, r)) for r in range(ctx.dp_size))
+        rank_plan = split_to_count(rank_plan, count)
     shape = (0, 0)
     if ctx.dims.vpp is not None:
-        rank_plan = split_to_multiple(rank_plan, ctx.dims.pp)
         shape = (
             max(len(mb) for mb in rank_plan),
             max(sum(len(samples[i]) for i in row) for mb in rank_plan for row in mb),
@@ -108,6 +111,14 @@ def plan_micro_batches(
         ).to(device)
         for mb in rank_plan
     ]
+
+
+def _rank_plan(p, ctx: ParallelContext, dp_rank: int) -> list[list[list[int]]]:
+    """The micro-batches of DP rank ``dp_rank``; a multiple of PP of them under VPP."""
+    rank_plan = p.micro_batches(dp_rank)
+    if ctx.dims.vpp is not None:
+        rank_plan = split_to_multiple(rank_plan, ctx.dims.pp)
+    return rank_plan
 
 
 def forward_logprobs(
@@ -178,22 +189,31 @@ def optimizer_step(
     micro_batches: list[MicroBatch],
     loss_fn: LossFn[MicroBatch],
     *,
+    num_sequences: int,
     on_gradients: Callable[[], None] | None = None,
 ) -> dict[str, float | None]:
-    """One optimizer step on one global batch; its metrics, the same on every rank.
+    """One optimizer step on one global batch of ``num_sequences`` sequences; its metrics,
+    the same on every rank.
 
     ``on_gradients`` runs on every rank after the backward passes and the DP
     reduction, before the optimizer consumes the gradients (check-invariance
-    reads them there).
+    reads them there). A mixture-of-experts model adds its routers' balance loss
+    (``mcore.router_balance``) and logs it with the experts' load.
     """
     zero_grads(model)
     optimizer.zero_grad()
-    per_mb = run_schedule(model, ctx, micro_batches, loss_fn)
+    balance = router_balance(model)
+    if balance is not None:
+        balance.start_step(num_sequences)
+    on_forward = None if balance is None else balance.set_batch
+    per_mb = run_schedule(model, ctx, micro_batches, loss_fn, on_forward=on_forward)
     if on_gradients is not None:
         on_gradients()
     _, grad_norm, _ = optimizer.step()
     scheduler.step(1)
     metrics = reduce_metrics(per_mb, ctx)
+    if balance is not None:
+        metrics |= balance.step_metrics()
     metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
     metrics["lr"] = float(optimizer.param_groups[0]["lr"])
     return metrics
@@ -225,7 +245,16 @@ def train_on_rollout(
         grpo_loss, cfg=loss_cfg, tp_group=ctx.tp_group, vocab_size=settings.vocab_size
     )
     return [
-        optimizer_step(model, optimizer, scheduler, ctx, mbs, loss_fn, on_gradients=on_gradients)
+        optimizer_step(
+            model,
+            optimizer,
+            scheduler,
+            ctx,
+            mbs,
+            loss_fn,
+            num_sequences=settings.global_batch_size,
+            on_gradients=on_gradients,
+        )
         for _ in range(settings.num_iterations)
         for mbs in batches
     ]

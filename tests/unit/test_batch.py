@@ -81,3 +81,14 @@ def test_rows_pad_to_a_multiple_and_to_a_least_shape():
     assert padded.tokens.shape == (3, 5)
     assert padded.seg.tolist()[1:] == [[-1] * 5] * 2  # empty rows hold no sample
     assert padded.loss_mask.sum() == 2 and padded.num_samples == 1
+
+
+def test_an_idle_micro_batch_is_one_row_of_padding_with_a_zero_loss_weight():
+    from megatron_grpo.algo.batch import collate
+    from megatron_grpo.algo.policy_loss import token_values
+
+    mb = collate([], num_groups=3, pad_to_multiple=2)
+    assert mb.tokens.shape == (1, 2) and mb.num_samples == 0
+    assert bool((mb.seg == -1).all()) and float(mb.loss_mask.sum()) == 0
+    assert mb.group_ids.dtype == torch.long
+    assert token_values(torch.zeros(0), mb.seg).tolist() == [[0.0, 0.0]]

@@ -244,3 +244,81 @@ def test_scale_options_and_their_refusals_are_named():
     for message, overrides in cases.items():
         with pytest.raises(ValueError, match=re.escape(message)):
             load_config(None, overrides)
+
+
+MOE = ["model.num_experts=4", "model.moe_ffn_hidden_size=32", "model.moe_router_topk=2"]
+
+
+def test_moe_options_and_their_refusals_are_named():
+    cfg = load_config(None, [*MOE, "model.moe_aux_loss_coeff=0.01", "parallel.ep=2"])
+    assert cfg.model.is_moe and cfg.model.expert_ffn_hidden_size == 32
+    assert cfg.parallel.ep == 2
+    assert not load_config(None, []).model.is_moe
+    assert load_config(None, ["model.num_experts=4"]).model.expert_ffn_hidden_size == 128
+    cases = {
+        "model.num_experts must be >= 2": ["model.num_experts=1"],
+        "model.moe_router_topk=5 must lie in [1, model.num_experts=4]": [
+            *MOE,
+            "model.moe_router_topk=5",
+        ],
+        "model.moe_capacity_factor must be > 0": [*MOE, "model.moe_capacity_factor=0"],
+        "model.moe_aux_loss_coeff must be >= 0": [*MOE, "model.moe_aux_loss_coeff=-1"],
+        "megatron-core always renormalizes sigmoid top-k scores": [
+            *MOE,
+            "model.moe_router_score_function=sigmoid",
+            "model.moe_norm_topk_prob=false",
+        ],
+        "model.hf_family=qwen3_moe needs model.num_experts": ["model.hf_family=qwen3_moe"],
+        "parallel.ep must be >= 1, got 0": ["parallel.ep=0"],
+    }
+    for message, overrides in cases.items():
+        with pytest.raises(ValueError, match=re.escape(message)):
+            load_config(None, overrides)
+
+
+def test_expert_parallel_layout_validation_names_the_cause():
+    # EP takes its ranks from DP x TP: 2x1x1x2, 1x2x1x2 and 2x1x2x2 are layouts
+    assert ParallelDims(ep=2).data_parallel_size(2) == 2
+    assert ParallelDims(tp=2, ep=2).data_parallel_size(2) == 1
+    assert ParallelDims(pp=2, ep=2).data_parallel_size(4) == 2
+    with pytest.raises(ValueError, match=re.escape("parallel.ep=4 does not divide DP(1) x TP(2)")):
+        ParallelDims(tp=2, ep=4).data_parallel_size(2)
+    with pytest.raises(ValueError, match=re.escape("parallel.ep=2 does not divide DP(1) x TP(1)")):
+        ParallelDims(pp=2, ep=2).data_parallel_size(2)
+    dims = ParallelDims(ep=4)
+    with pytest.raises(ValueError, match=re.escape("model.num_experts=6 is not divisible by")):
+        dims.validate_model(num_layers=2, num_attention_heads=4, num_query_groups=4, num_experts=6)
+    with pytest.raises(ValueError, match=re.escape("parallel.ep=4 needs a mixture-of-experts")):
+        dims.validate_model(num_layers=2, num_attention_heads=4, num_query_groups=4)
+    dims.validate_model(num_layers=2, num_attention_heads=4, num_query_groups=4, num_experts=8)
+
+
+def test_layouts_are_written_with_three_or_four_fields():
+    from megatron_grpo.commands.invariance import Layout
+
+    assert Layout.parse("2x1x2") == Layout(2, 1, 2, 1) == Layout.parse("2x1x2x1")
+    assert Layout.parse("1x2x1x2") == Layout(1, 2, 1, 2)
+    assert str(Layout(1, 2, 1, 2)) == "1x2x1x2" and str(Layout(2, 1, 1)) == "2x1x1"
+    assert Layout(2, 1, 2, 2).world_size == 4
+    for bad in ("2x1", "2x1x1x1x1", "ax1x1"):
+        with pytest.raises(ValueError, match="DPxTPxPPxEP"):
+            Layout.parse(bad)
+
+
+def test_moe_layout_refusals_are_named_when_the_config_is_built():
+    cases = {
+        "a mixture-of-experts model at TP=2 needs parallel.sequence_parallel=true": [
+            *MOE,
+            "parallel.tp=2",
+            "parallel.sequence_parallel=false",
+        ],
+        "model.moe_aux_loss_coeff > 0 with train.recompute_granularity=full": [
+            *MOE,
+            "model.moe_aux_loss_coeff=0.01",
+            "train.recompute_granularity=full",
+        ],
+    }
+    for message, overrides in cases.items():
+        with pytest.raises(ValueError, match=re.escape(message)):
+            load_config(None, overrides)
+    load_config(None, [*MOE, "parallel.tp=2", "train.recompute_granularity=full"])  # no aux loss

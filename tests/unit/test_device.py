@@ -35,6 +35,17 @@ with tracker.fork():
 assert torch.equal(torch.get_rng_state(), before)  # fork restores the default generator
 from megatron.core.transformer.utils import get_default_causal_mask
 assert get_default_causal_mask(4).device.type == "cpu"
+# the MoE layer's stand-ins: side streams and events, split sizes as numpy, no TE gemm
+from megatron.core.transformer.moe import moe_utils, token_dispatcher
+assert moe_utils.te_general_gemm is None
+side = torch.cuda.Stream()
+side.wait_stream(torch.cuda.current_stream())
+with torch.cuda.stream(side):
+    pass
+side.record_event().synchronize()
+splits = token_dispatcher.maybe_move_tensor_to_cpu(torch.tensor([2, 1]), as_numpy=True)
+assert not torch.is_tensor(splits) and splits.tolist() == [2, 1]
+assert torch.is_tensor(token_dispatcher.maybe_move_tensor_to_cpu(torch.tensor([3])))
 print("ok")
 """
 

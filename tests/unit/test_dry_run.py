@@ -298,3 +298,58 @@ def test_cli_exit_codes_and_no_process_group(capsys):
     vpp = ["--set=model.num_layers=4", "--set=parallel.pp=2", "--set=parallel.vpp=2"]
     assert cli.main(["train", *tiny, *vpp, "--dry-run", "--world-size", "2"]) == 0
     assert "layout: DP=1 TP=1 PP=2 CP=1 VPP=2" in capsys.readouterr().out
+
+
+# A tiny Qwen3-MoE: h=64, 4 heads of 32 channels in 2 groups, q/k norm, 4 experts of width 32.
+TINY_MOE = [
+    *TINY[:-1],
+    "model.head_dim=32",
+    "model.qk_layernorm=true",
+    "model.num_experts=4",
+    "model.moe_ffn_hidden_size=32",
+    "model.moe_router_topk=2",
+    "model.hf_family=qwen3_moe",
+]
+# One layer by hand: qkv 64 x (4 + 2 x 2) x 32 = 16384, proj 128 x 64 = 8192, q/k norms 64,
+# router 4 x 64 = 256, an expert 3 x 64 x 32 = 6144, two RMSNorms 128.
+TINY_MOE_SHARED = 16384 + 8192 + 64 + 256 + 128
+
+
+def test_moe_layer_holds_its_ep_ranks_experts_by_hand():
+    m = load_config(None, TINY_MOE).model
+    assert layer_params(m, 1) == TINY_MOE_SHARED + 4 * 6144
+    assert layer_params(m, 1, ep=2) == TINY_MOE_SHARED + 2 * 6144
+    # TP splits attention, not the router or the (whole) experts
+    assert layer_params(m, 2, ep=4) == (16384 + 8192) // 2 + 64 + 256 + 128 + 6144
+    (stage,) = stage_params(m, ParallelDims(ep=2))
+    assert stage.expert_params == 2 * 2 * 6144
+
+
+def test_moe_total_matches_the_hugging_face_model():
+    from transformers import AutoModelForCausalLM
+
+    from megatron_grpo.convert.hf_config import hf_config_from_model_config
+
+    m = load_config(None, TINY_MOE).model
+    hf = AutoModelForCausalLM.from_config(hf_config_from_model_config(m, "qwen3_moe"))
+    assert total_params(m) == sum(p.numel() for p in hf.parameters())
+
+
+def test_moe_dry_run_counts_experts_per_ep_rank(capsys):
+    argv = ["train", "--dry-run", "--world-size", "4", "--set", "parallel.ep=4"]
+    code = cli.main(argv + [f"--set={x}" for x in TINY_MOE])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "layout: DP=4 TP=1 PP=1 CP=1 EP=4" in out
+    assert "experts: 4 per layer, top-2, 1 per EP rank (EP=4), 6,144 each" in out
+
+
+def test_expert_optimizer_states_shard_over_expert_dp():
+    from megatron_grpo.commands.memory_model import optimizer_bytes_per_param, stage_memory
+
+    cfg = load_config(None, [*TINY_MOE, "optim.use_distributed_optimizer=true", "parallel.ep=2"])
+    (stage,) = stage_params(cfg.model, cfg.parallel)
+    mem = stage_memory(cfg, stage, dp=4)  # dense states over DP 4, experts' over 4 x 1 / 2
+    dense = stage.total - stage.expert_params
+    expected = optimizer_bytes_per_param(cfg) * (dense / 4 + stage.expert_params / 2)
+    assert mem.optimizer == pytest.approx(expected)

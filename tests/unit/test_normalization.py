@@ -97,3 +97,56 @@ def test_length_bias_of_seq_mean_token_mean():
     # although the long answer holds ten times as many wrong tokens.
     totals = per_token["seq-mean-token-mean"] * n.double()
     assert totals[0] == pytest.approx(float(totals[1]))
+
+
+# --------------------------------------------------------------------------- router balance
+
+
+def test_router_balance_loss_by_hand():
+    from megatron_grpo.algo.normalization import aux_loss_weight, sequence_balance_loss
+
+    # 2 experts, top-1. Sequence 0: two tokens, both routed to expert 0:
+    #   f = [1, 0], P = [(0.75 + 0.5) / 2, ...] = [0.625, 0.375] -> E f.P = 2 * 0.625 = 1.25.
+    # Sequence 1: one token routed to expert 1: f = [0, 1], P = [0.2, 0.8] -> 2 * 0.8 = 1.6.
+    # The padding token (-1) counts nowhere.
+    probs = torch.tensor([[0.75, 0.25], [0.2, 0.8], [0.5, 0.5], [0.9, 0.1]], requires_grad=True)
+    seg = torch.tensor([0, 1, 0, -1])
+    routed = torch.tensor([[2.0, 0.0], [0.0, 1.0]])
+    seq_len = torch.tensor([2, 1])
+    v = aux_loss_weight(0.3, 2)
+    assert v == pytest.approx(0.15)
+    loss = sequence_balance_loss(probs, seg, routed, seq_len, v, topk=1)
+    assert float(loss) == pytest.approx(0.15 * (1.25 + 1.6))
+    loss.backward()
+    # d/dp_ti = v E f_si / n_s: sequence 0 tokens 0.15 * 2 * [1, 0] / 2, sequence 1 [0, 0.3]
+    expected = torch.tensor([[0.15, 0.0], [0.0, 0.3], [0.15, 0.0], [0.0, 0.0]])
+    assert torch.allclose(probs.grad, expected)
+
+
+def test_router_balance_loss_adds_up_over_slices_of_a_sequence():
+    """Sequence parallelism: each TP rank holds a slice of the tokens; the shares add up."""
+    from megatron_grpo.algo.normalization import sequence_balance_loss
+
+    g = torch.Generator().manual_seed(0)
+    probs = torch.softmax(torch.randn(6, 4, generator=g), dim=-1)
+    seg = torch.tensor([0, 0, 1, 1, 1, 0])
+    routed = torch.tensor([[2.0, 1, 0, 3], [1, 1, 2, 2]])  # top-2: 2 x tokens each
+    seq_len = torch.tensor([3, 3])
+    whole = sequence_balance_loss(probs, seg, routed, seq_len, 0.5, topk=2)
+    parts = sum(
+        sequence_balance_loss(probs[s], seg[s], routed, seq_len, 0.5, topk=2)
+        for s in (slice(0, 3), slice(3, 6))
+    )
+    assert float(parts) == pytest.approx(float(whole))
+    assert float(whole) == pytest.approx(
+        0.5
+        * 4
+        * sum(float((routed[s] / (2 * 3) * probs[seg == s].sum(0) / 3).sum()) for s in (0, 1))
+    )
+
+
+def test_aux_loss_weight_refuses_an_empty_batch():
+    from megatron_grpo.algo.normalization import aux_loss_weight
+
+    with pytest.raises(ValueError, match="at least one sequence"):
+        aux_loss_weight(0.1, 0)

@@ -89,3 +89,11 @@ def test_check_invariance_lays_out_a_dp_rank_without_loss_tokens():
     ]
     assert sorted(loss_tokens)[0] == 0 and sorted(loss_tokens)[1] > 0
     assert sorted(len(rank) for rank in split.ranks) == [1, 2]
+
+
+def test_split_to_count_halves_then_idles():
+    from megatron_grpo.train.plan import split_to_count
+
+    assert split_to_count([[[0], [1], [2]]], 2) == [[[0]], [[1], [2]]]
+    assert split_to_count([[[0, 1]]], 3) == [[[0]], [[1]], []]  # an idle micro-batch
+    assert split_to_count([[[0]], [[1]]], 2) == [[[0]], [[1]]]

@@ -32,6 +32,8 @@ MODELS = {
     "qwen3_8b": "qwen3",
     "qwen3_14b": "qwen3",
     "qwen3_32b": "qwen3",
+    "qwen3_30b_a3b": "qwen3_moe",
+    "qwen3_235b_a22b": "qwen3_moe",
     "qwen2.5_7b": "qwen2",
     "qwen2.5_32b": "qwen2",
     "qwen2.5_72b": "qwen2",
@@ -82,6 +84,18 @@ HAND_WRITTEN = {
         (4_096_676_864,),
         (58_268_315_648,),
     ),
+    # Mixture of experts: the totals are transformers' Qwen3MoeForCausalLM parameter counts;
+    # a GPU holds num_experts / EP whole experts of each of its layers.
+    "qwen3_30b_a3b": Figures(
+        30_532_122_624,
+        (4_018_878_464,),
+        (81_647_017_984,),  # 76.0 GiB: the recipe's GPUs have 141 GB
+    ),
+    "qwen3_235b_a22b": Figures(
+        235_093_634_560,
+        (4_566_945_536, 4_566_949_632),
+        (56_995_669_312, 61_812_855_104),
+    ),
     "qwen2.5_7b": Figures(
         7_615_616_512,
         (3_807_910_400,),
@@ -114,6 +128,7 @@ HAND_WRITTEN = {
 # (max_position_embeddings, rotary_base, rope_scaling_factor, norm_epsilon).
 HAND_WRITTEN_ROPE_AND_NORM = {
     "qwen3": (40960, 1e6, None, 1e-6),
+    "qwen3_moe": (40960, 1e6, None, 1e-6),
     "qwen2": (32768, 1e6, None, 1e-6),
     "llama": (131072, 5e5, 8.0, 1e-5),
 }

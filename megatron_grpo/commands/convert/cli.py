@@ -35,7 +35,7 @@ and tokenizer files. Starts the --num-procs reader processes itself (or runs
 as one of them under torchrun with WORLD_SIZE = --num-procs). See
 docs/conversion.md."""
 
-FAMILIES = ["auto", "llama", "qwen2", "qwen3"]
+FAMILIES = ["auto", "llama", "qwen2", "qwen3", "qwen3_moe"]
 DTYPE_NAMES = ["float32", "bfloat16", "float16"]
 DEFAULT_TIMEOUT_S = 6 * 3600.0
 
@@ -82,7 +82,7 @@ def add_megatron_to_hf_args(parser: argparse.ArgumentParser) -> None:
         "--family",
         default="auto",
         choices=FAMILIES,
-        help="HF family to write; auto: from the model config's QKV bias / q-k norm",
+        help="HF family to write; auto: from the model config's QKV bias / q-k norm / experts",
     )
     parser.add_argument(
         "--model-config", help="YAML model config (default: <megatron-dir>/model.yaml)"

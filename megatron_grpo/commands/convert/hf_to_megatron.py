@@ -152,6 +152,7 @@ def check_hf_weights(ckpt: HFCheckpoint, cfg: ModelConfig, dims: ParallelDims) -
         num_layers=cfg.num_layers,
         num_attention_heads=cfg.num_attention_heads,
         num_query_groups=cfg.num_query_groups or cfg.num_attention_heads,
+        num_experts=cfg.num_experts,
     )
     full = hf_to_megatron(ckpt.meta(), cfg)  # meta tensors: checks, no data
     for name, tensor in full.items():

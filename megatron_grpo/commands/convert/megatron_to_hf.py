@@ -35,6 +35,7 @@ from megatron_grpo.commands.convert.hf_to_megatron import (
 from megatron_grpo.config import ModelConfig, ParallelDims
 from megatron_grpo.config.hf import FAMILIES, check_family, get_family
 from megatron_grpo.config.init_model import MODEL_CONFIG_FILE
+from megatron_grpo.convert.experts import split_stacked_experts
 from megatron_grpo.convert.hf_files import (
     TOKENIZER_FILES,
     ShardedWriter,
@@ -103,7 +104,7 @@ def _unit_to_hf(
 ) -> dict[str, Tensor]:
     """HF tensors of one unit (vocab padding dropped), cast to ``dtype`` if given."""
     if isinstance(unit, int):
-        out = megatron_layer_to_hf(unit, tensors, cfg)
+        out = megatron_layer_to_hf(unit, split_stacked_experts(tensors), cfg)
     elif unit == "embedding":
         out = {HF_EMBEDDING: resize_vocab(tensors[MEGATRON_EMBEDDING], cfg.vocab_size)}
     else:
@@ -145,7 +146,7 @@ def plan_megatron_export(
     full: dict[str, Tensor] = {}
     for unit in _units(cfg):
         full |= _unit_request(unit, metadata, _meta_like)
-    megatron_to_hf(full, cfg, family)  # every name and shape, on meta tensors
+    megatron_to_hf(split_stacked_experts(full), cfg, family)  # every name and shape, on meta
     return [
         _unit_to_hf(unit, _unit_request(unit, metadata, _meta_like), cfg, dtype)
         for unit in _units(cfg)
@@ -235,13 +236,17 @@ def _export_worker(
 
 
 def infer_family(cfg: ModelConfig) -> str:
-    """The one supported family whose QKV bias and q/k norm switches ``cfg`` has."""
+    """The one supported family whose QKV bias, q/k norm and experts ``cfg`` has."""
     for name, fam in FAMILIES.items():
-        if (fam.qkv_bias, fam.qk_norm) == (cfg.add_qkv_bias, cfg.qk_layernorm):
+        if (fam.qkv_bias, fam.qk_norm, fam.moe) == (
+            cfg.add_qkv_bias,
+            cfg.qk_layernorm,
+            cfg.is_moe,
+        ):
             return name
     raise ValueError(
-        f"no supported family has add_qkv_bias={cfg.add_qkv_bias} and "
-        f"qk_layernorm={cfg.qk_layernorm}"
+        f"no supported family has add_qkv_bias={cfg.add_qkv_bias}, "
+        f"qk_layernorm={cfg.qk_layernorm} and num_experts={cfg.num_experts}"
     )
 
 

@@ -31,26 +31,35 @@ BF16_TOLERANCE = 2e-2
 
 @dataclass(frozen=True)
 class Layout:
+    """DP x TP x PP ranks, and the expert-parallel size (taken from the DP x TP ranks)."""
+
     dp: int
     tp: int
     pp: int
+    ep: int = 1
 
     @classmethod
     def parse(cls, text: str) -> Layout:
+        """``DPxTPxPP`` or ``DPxTPxPPxEP`` (three fields mean EP=1)."""
         try:
-            dp, tp, pp = (int(x) for x in text.lower().split("x"))
+            sizes = [int(x) for x in text.lower().split("x")]
         except ValueError:
-            raise ValueError(f"layout {text!r} is not of the form DPxTPxPP, e.g. 2x1x2") from None
-        if min(dp, tp, pp) < 1:
+            sizes = []
+        if len(sizes) not in (3, 4):
+            raise ValueError(
+                f"layout {text!r} is not of the form DPxTPxPP or DPxTPxPPxEP, e.g. 2x1x2x2"
+            )
+        if min(sizes) < 1:
             raise ValueError(f"layout {text!r}: sizes must be >= 1")
-        return cls(dp, tp, pp)
+        return cls(*sizes)
 
     @property
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp
 
     def __str__(self) -> str:
-        return f"{self.dp}x{self.tp}x{self.pp}"
+        ep = f"x{self.ep}" if self.ep > 1 else ""
+        return f"{self.dp}x{self.tp}x{self.pp}{ep}"
 
 
 FEATURES = {
@@ -127,8 +136,10 @@ def setup(
         dims=ParallelDims(
             tp=layout.tp,
             pp=layout.pp,
+            ep=layout.ep,
             vpp=2 if "vpp" in active else None,
-            sequence_parallel="sp" in active,
+            # megatron-core's MoE layer trains at TP > 1 only under sequence parallelism
+            sequence_parallel="sp" in active or (model.is_moe and layout.tp > 1),
         ),
         optim=optim,
         train=TrainConfig(recompute_granularity=recompute),
@@ -147,6 +158,21 @@ def default_model() -> ModelConfig:
         make_vocab_size_divisible_by=8,
         max_position_embeddings=64,
         hf_family="llama",
+    )
+
+
+def default_moe_model() -> ModelConfig:
+    """A tiny Qwen3-MoE: 4 experts, top-2, narrower than the dense width, q/k norm, and the
+    routers' balance loss on with a coefficient large enough to move the gradient."""
+    return dataclasses.replace(
+        default_model(),
+        head_dim=32,
+        qk_layernorm=True,
+        hf_family="qwen3_moe",
+        num_experts=4,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=32,
+        moe_aux_loss_coeff=0.05,
     )
 
 

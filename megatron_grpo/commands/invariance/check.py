@@ -60,6 +60,8 @@ def compare(case: dict[str, Any], ref: dict[str, Any]) -> dict[str, float]:
     rounding = parameter_ulp(case["params"])  # the case's own storage (bf16 rounds more)
     out["update"] = max_relative_error(case["update"], ref["update"], rounding)
     out["grad_norm"] = abs(case["grad_norm"] - ref["grad_norm"]) / max(ref["grad_norm"], 1e-30)
+    if ref.get("moe_aux_loss"):  # the routers' balance loss is a term of J: its value too
+        out["aux_loss"] = abs(case["moe_aux_loss"] - ref["moe_aux_loss"]) / ref["moe_aux_loss"]
     out["replicas"] = case["replicas"]
     return out
 
@@ -112,6 +114,8 @@ def check(
         if reference is not None:
             states = {k: reference[k] for k in states}
         kwargs = {**common, "dp": layout.dp, "tp": layout.tp, "pp": layout.pp, **states}
+        if layout.ep > 1:
+            kwargs["ep"] = layout.ep
         results = run_workers(target, layout.world_size, kwargs=kwargs, timeout=timeout)
         return next(r for r in results if r is not None)
 
@@ -156,7 +160,7 @@ def _reference_line(errors: dict[str, dict[str, float]]) -> str:
 
 
 def _summary(layout: str, errors: dict[str, dict[str, float]], result: dict[str, Any]) -> str:
-    names = ("grad", "update", "grad_norm", "replicas")
+    names = ("grad", "update", "grad_norm", "aux_loss", "replicas")
     worst = {k: max((e[k] for e in errors.values() if k in e), default=None) for k in names}
     shown = ", ".join(f"{k.replace('_', ' ')} {v:.2e}" for k, v in worst.items() if v is not None)
     counts = sorted({tuple(c["micro_batches"]) for c in result["cases"].values()})

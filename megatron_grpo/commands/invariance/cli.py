@@ -6,6 +6,7 @@ import argparse
 from collections.abc import Callable
 
 DEFAULT_LAYOUTS = "1x1x1,2x1x1,1x2x1,1x1x2,2x2x1,2x1x2,1x2x2"
+MOE_LAYOUTS = "1x1x1x1,2x1x1x2,1x2x1x2,2x1x2x2"
 
 
 def add_parser(sub, add_config_args: Callable[[argparse.ArgumentParser], None]) -> None:
@@ -16,7 +17,7 @@ def add_parser(sub, add_config_args: Callable[[argparse.ArgumentParser], None]) 
         help="prove the gradient of one global batch is the same at every layout",
         description="Train one fixed global batch with the trainer's own step function "
         "(its planner, frozen old and reference log-probs, two optimizer passes) at each "
-        "DPxTPxPP layout (multi-process gloo on CPU, nccl on GPU), with several micro-batch "
+        "DPxTPxPP[xEP] layout (multi-process gloo on CPU, nccl on GPU), with several micro-batch "
         "counts, a permutation of samples and packing, and compare gradients, updates, grad "
         "norms and replicas of each pass against the single-process run; that run is "
         "compared with the gradient computed by transformers and the loss from its "
@@ -24,7 +25,18 @@ def add_parser(sub, add_config_args: Callable[[argparse.ArgumentParser], None]) 
     )
     add_config_args(p)
     p.add_argument("--mode", default="token-mean", help="loss aggregation mode, or 'all'")
-    p.add_argument("--layouts", default=DEFAULT_LAYOUTS, help="comma-separated DPxTPxPP")
+    p.add_argument(
+        "--model",
+        choices=("dense", "moe"),
+        default="dense",
+        help="the tiny model: dense (Llama-style), or moe (Qwen3-MoE, 4 experts top-2, the "
+        "routers' balance loss on); --set model.* overrides either",
+    )
+    p.add_argument(
+        "--layouts",
+        help=f"comma-separated DPxTPxPP or DPxTPxPPxEP (default {DEFAULT_LAYOUTS}; with "
+        f"--model moe {MOE_LAYOUTS})",
+    )
     p.add_argument(
         "--micro-batches",
         default="1,3",
@@ -57,6 +69,25 @@ def add_parser(sub, add_config_args: Callable[[argparse.ArgumentParser], None]) 
     p.set_defaults(func=run)
 
 
+def _model_config(args: argparse.Namespace):
+    """The tiny model of ``--model`` with the ``model.*`` overrides; None: the default."""
+    from megatron_grpo.commands.invariance.cases import default_moe_model
+    from megatron_grpo.config import ModelConfig, apply_override, from_dict, load_config, to_dict
+
+    if args.model == "dense":
+        return (
+            load_config(args.config, args.overrides).model
+            if args.config or args.overrides
+            else None
+        )
+    if args.config:
+        raise ValueError("--model moe takes model.* overrides with --set, not --config")
+    raw = {"model": to_dict(default_moe_model())}
+    for item in args.overrides or []:
+        apply_override(raw, item)
+    return from_dict(ModelConfig, raw["model"])
+
+
 def run(args: argparse.Namespace) -> int:
     from megatron_grpo.commands.invariance import (
         BF16_TOLERANCE,
@@ -65,22 +96,21 @@ def run(args: argparse.Namespace) -> int:
         check,
         parse_features,
     )
-    from megatron_grpo.config import MODES, check_mode, load_config
+    from megatron_grpo.config import MODES, check_mode
 
     modes = list(MODES) if args.mode == "all" else [args.mode]
     for mode in modes:
         check_mode(mode)
-    layouts = [Layout.parse(x) for x in args.layouts.split(",") if x.strip()]
+    default_layouts = MOE_LAYOUTS if args.model == "moe" else DEFAULT_LAYOUTS
+    layouts = [Layout.parse(x) for x in (args.layouts or default_layouts).split(",") if x.strip()]
     counts = [int(x) for x in args.micro_batches.split(",")]
     if any(c < 1 for c in counts):
         raise ValueError(f"--micro-batches must be positive integers, got {args.micro_batches}")
     features = parse_features(args.features)
     tolerance = args.tolerance or (BF16_TOLERANCE if "bf16" in features else 1e-5)
-    model_cfg = (
-        load_config(args.config, args.overrides).model if args.config or args.overrides else None
-    )
+    model_cfg = _model_config(args)
     print(
-        f"check-invariance: modes {', '.join(modes)}; layouts (DPxTPxPP) "
+        f"check-invariance: modes {', '.join(modes)}; layouts (DPxTPxPP[xEP]) "
         f"{', '.join(map(str, layouts))}; micro-batches {counts}; features "
         f"{', '.join(features) or 'none'}; permutation {'on' if args.permute else 'off'}; "
         f"packing {'on' if args.pack else 'off'}; tolerance {tolerance:g}"

@@ -6,7 +6,9 @@ the objective written out from its definition (docs/loss_normalization.md):
     J = sum_i w_i sum_t m_it l_it
 
 with w_i from the counts of the whole batch and l_it the PPO-clipped surrogate times
-the truncated importance weight, plus the KL penalty, minus the entropy bonus. Nothing
+the truncated importance weight, plus the KL penalty, minus the entropy bonus; for a
+mixture-of-experts model, plus the routers' balance loss of each sample from
+transformers' router logits, coeff / N sum_layers E sum_i f_i P_i. Nothing
 of the trainer's loss code, planner or megatron-core takes part, so a factor that the
 trainer applies in every layout alike (which the layouts' agreement cannot see) shows
 here. The first pass is on-policy: the behaviour log-probs equal the current ones.
@@ -92,6 +94,39 @@ def _sample_loss(
     return (per_token * m).sum()
 
 
+def _hf_model(state: dict[str, Tensor], cfg: ModelConfig):
+    """The transformers model of ``cfg`` holding the megatron ``state``."""
+    from megatron_grpo.convert.weights import megatron_to_hf
+    from megatron_grpo.rollout.embedded.weights import hf_model_from_state
+
+    hf_state = megatron_to_hf(state, cfg, cfg.hf_family)
+    if not cfg.is_moe:
+        return hf_model_from_state(hf_state, cfg)
+    import transformers
+
+    from megatron_grpo.convert.experts import fuse_hf_experts
+    from megatron_grpo.convert.hf_config import hf_config_from_model_config
+
+    hf_cfg = hf_config_from_model_config(cfg, cfg.hf_family)
+    model = transformers.AutoModelForCausalLM.from_config(hf_cfg).float()
+    model.load_state_dict(fuse_hf_experts(hf_state, cfg.num_layers), strict=True)
+    return model
+
+
+def _balance(router_logits: tuple[Tensor, ...], topk: int) -> Tensor:
+    """sum over layers of E sum_i f_i P_i for one sample: f_i the fraction of its k-fold
+    routed tokens that went to expert i, P_i its mean router probability."""
+    total = torch.zeros(())
+    for logits in router_logits:
+        probs = torch.softmax(logits.float(), dim=-1)
+        num_tokens, num_experts = probs.shape
+        chosen = probs.topk(topk, dim=-1).indices
+        counts = torch.nn.functional.one_hot(chosen, num_experts).sum(dim=(0, 1)).float()
+        f = counts / (topk * num_tokens)
+        total = total + num_experts * (f * probs.mean(dim=0)).sum()
+    return total
+
+
 def reference_gradient(
     state: dict[str, Tensor],
     ref_state: dict[str, Tensor],
@@ -102,28 +137,32 @@ def reference_gradient(
     max_len: int,
 ) -> dict[str, Tensor]:
     """dJ/dtheta of the first pass, under megatron-core's (TP=1, PP=1) parameter names."""
+    from megatron_grpo.convert.experts import split_hf_experts
     from megatron_grpo.convert.weights import (
         MEGATRON_EMBEDDING,
         MEGATRON_OUTPUT,
         canonical_megatron_name,
         hf_to_megatron,
-        megatron_to_hf,
     )
-    from megatron_grpo.rollout.embedded.weights import hf_model_from_state
 
-    policy = hf_model_from_state(megatron_to_hf(state, model_cfg, model_cfg.hf_family), model_cfg)
-    ref = hf_model_from_state(megatron_to_hf(ref_state, model_cfg, model_cfg.hf_family), model_cfg)
+    policy, ref = _hf_model(state, model_cfg), _hf_model(ref_state, model_cfg).eval()
     policy.train()
+    moe = {"output_router_logits": True} if model_cfg.is_moe else {}
+    aux_weight = model_cfg.moe_aux_loss_coeff / len(samples)
     weights = _weights(samples, loss_cfg.mode, loss_cfg.max_len or max_len)
     total = torch.zeros(())
     for s, w in zip(samples, weights):
         tokens = s.tokens.long()
-        logp, entropy = _token_terms(policy(tokens[None]).logits[0], tokens)
+        out = policy(tokens[None], **moe)
+        logp, entropy = _token_terms(out.logits[0], tokens)
         with torch.no_grad():
             ref_logp, _ = _token_terms(ref(tokens[None]).logits[0], tokens)
         total = total + w * _sample_loss(s, logp, entropy, ref_logp, loss_cfg)
+        if aux_weight:
+            total = total + aux_weight * _balance(out.router_logits, model_cfg.moe_router_topk)
     total.backward()
     grads = {k: p.grad for k, p in policy.named_parameters() if p.grad is not None}
+    grads = split_hf_experts(grads)
     if model_cfg.tie_embeddings:
         grads.pop("lm_head.weight", None)
     out = {canonical_megatron_name(k): v for k, v in hf_to_megatron(grads, model_cfg).items()}

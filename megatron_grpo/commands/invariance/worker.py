@@ -73,6 +73,7 @@ def _passes(before: list, final: dict, history: list, micro_batches: list[int]) 
                 "replicas": _replicas(b["spread"], b["grad"], update),
                 "clip_fraction": metrics["clip_fraction"],
                 "kl": metrics["kl"],
+                "moe_aux_loss": metrics.get("moe_aux_loss"),
                 "micro_batches": micro_batches,
             }
         )
@@ -93,6 +94,7 @@ def run_layout(
     tp: int,
     pp: int,
     dp: int,
+    ep: int = 1,
     model_cfg: ModelConfig,
     modes: list[str],
     micro_batch_counts: list[int],
@@ -113,7 +115,7 @@ def run_layout(
     from megatron_grpo.train.step import StepSettings, train_on_rollout
 
     is_reference = init_state is None
-    run = setup(Layout(dp, tp, pp), features, model_cfg, reference=is_reference)
+    run = setup(Layout(dp, tp, pp, ep), features, model_cfg, reference=is_reference)
     ctx = init_parallel(run.dims)
     model = build_model(run.model, ctx, optim=run.optim, train=run.train)
     vocab = run.model.vocab_size

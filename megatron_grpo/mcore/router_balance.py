@@ -1,0 +1,121 @@
+"""The routers' load-balancing loss under the loss contract, and routing statistics.
+
+megatron-core's own auxiliary loss is computed per micro-batch (its expert counts are
+those of the micro-batch's tokens) and scaled per micro-batch, so its gradient changes
+with the micro-batch count and the DP split. It is switched off (``mcore.model``), and
+this module attaches the per-sequence balance loss of ``algo.normalization`` instead:
+a forward hook on every router computes it from the router's scores and routing for the
+micro-batch being run (its sequences are set by ``set_batch`` just before the forward)
+and attaches it with megatron-core's ``MoEAuxLossAutoScaler``, which adds its gradient
+in the backward pass on whichever pipeline stage holds the layer. The schedule sets that
+autoscaler's scale to 1 under ``calculate_per_token_loss`` (fp32 and bf16 alike), so the
+term enters J exactly once.
+
+Only forward passes with autograd on (training) count: the forward-only log-prob
+passes neither add the loss nor the statistics. Full activation recomputation would
+rerun the routers during the backward pass, outside the micro-batch they belong to, so
+it is refused together with the loss (``mcore.model``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+
+from megatron_grpo.algo.normalization import aux_loss_weight, sequence_balance_loss
+from megatron_grpo.config import ModelConfig
+from megatron_grpo.mcore.parallel import ParallelContext
+
+
+class RouterBalance:
+    """Hooks on this rank's routers: the balance loss and per-layer expert loads."""
+
+    def __init__(self, model: list, cfg: ModelConfig, ctx: ParallelContext) -> None:
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        assert cfg.num_experts is not None
+        self.cfg, self.ctx = cfg, ctx
+        self.weight = 0.0
+        """v of ``aux_loss_weight`` for the global batch being trained."""
+        self._seg: Tensor | None = None
+        self._num_seqs = 0
+        self.loss = torch.zeros((), dtype=torch.float64)
+        self.loads = torch.zeros(cfg.num_layers, cfg.num_experts, dtype=torch.float64)
+        for chunk in model:
+            for module in chunk.modules():
+                if isinstance(module, TopKRouter):
+                    module.register_forward_hook(self._hook)
+
+    def set_batch(self, batch) -> None:
+        """The micro-batch the next forward runs (``seg`` [B, S], ``num_samples``)."""
+        self._seg, self._num_seqs = batch.seg, batch.num_samples
+
+    def start_step(self, num_sequences: int) -> None:
+        """Before an optimizer step on a global batch of ``num_sequences`` sequences."""
+        self.weight = aux_loss_weight(self.cfg.moe_aux_loss_coeff, num_sequences)
+        self.loss.zero_()
+        self.loads.zero_()
+
+    def _local_seg(self, seg_BS: Tensor, local_positions: int) -> Tensor:
+        """Each of this rank's router tokens' sequence, in the router's [S, B] order."""
+        sp = self.ctx.dims.uses_sequence_parallel
+        full = local_positions * (self.ctx.dims.tp if sp else 1)
+        seg_BS = F.pad(seg_BS, (0, full - seg_BS.shape[1]), value=-1)  # the schedule's padding
+        start = self.ctx.tp_rank * local_positions if sp else 0
+        return seg_BS[:, start : start + local_positions].t().reshape(-1)
+
+    def _hook(self, router, args, output):
+        if not torch.is_grad_enabled() or self._seg is None:
+            return None
+        probs, routing_map = output
+        hidden = args[0]
+        seg = self._local_seg(self._seg.to(hidden.device), hidden.shape[0])
+        live = seg >= 0
+        routed = routing_map.new_zeros(self._num_seqs, routing_map.shape[1], dtype=torch.float32)
+        routed.index_add_(0, seg[live], routing_map[live].float())
+        if self.ctx.dims.uses_sequence_parallel:  # each TP rank routed a slice of each sequence
+            dist.all_reduce(routed, group=self.ctx.tp_group)
+        seq_len = torch.bincount(self._seg[self._seg >= 0], minlength=self._num_seqs)
+        self.loads[router.layer_number - 1] += routing_map[live].sum(0).double().cpu()
+        if not self.cfg.moe_aux_loss_coeff:
+            return None
+        logits = router.gating(hidden).reshape(-1, routing_map.shape[1])
+        scores = torch.softmax(logits.float(), dim=-1)
+        loss = sequence_balance_loss(
+            scores,
+            seg,
+            routed,
+            seq_len.to(hidden.device),
+            self.weight,
+            topk=self.cfg.moe_router_topk,
+        )
+        self.loss += loss.detach().double().cpu()
+        from megatron.core.transformer.moe.router import MoEAuxLossAutoScaler
+
+        return MoEAuxLossAutoScaler.apply(probs, loss), routing_map
+
+    def step_metrics(self) -> dict[str, float]:
+        """The balance loss of the step (summed over layers) and the busiest expert's load
+        relative to the mean, worst layer; the same on every rank. Collective (world)."""
+        totals = torch.cat([self.loss.reshape(1), self.loads.reshape(-1)])
+        if self.ctx.world_size > 1:
+            from megatron_grpo.mcore.device import compute_device
+
+            on_device = totals.to(compute_device())  # nccl reduces GPU tensors only
+            dist.all_reduce(on_device)
+            totals = on_device.cpu()
+        loads = totals[1:].reshape(self.loads.shape)
+        mean = loads.mean(dim=1).clamp(min=1e-30)
+        return {
+            "moe_aux_loss": float(totals[0]),
+            "moe_max_load": float((loads.max(dim=1).values / mean).max()),
+        }
+
+
+def router_balance(model: list) -> RouterBalance | None:
+    """The ``RouterBalance`` that ``mcore.model.build_model`` installed on a MoE model."""
+    from megatron_grpo.mcore.model import unwrap
+
+    return getattr(unwrap(model[0]), "router_balance", None)
