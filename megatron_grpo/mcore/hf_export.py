@@ -5,8 +5,10 @@ sender, its rank with data-parallel rank 0 and tensor-parallel rank 0. ``stage_h
 walks the stage's model chunks in order (embedding, layers, final norm, head); for each
 decoder layer the TP-split parameters are gathered onto the sender over the tensor-parallel
 group, one parameter at a time, joined (``convert.sharding.unshard``) and renamed with the
-conversion tools' mapping (``convert.weights``). The other TP ranks of the stage take part
-in the gathers and yield nothing; ranks of other data-parallel replicas do not take part.
+conversion tools' mapping (``convert.weights``); a MoE layer's experts, split over
+expert parallelism (whole experts on each rank), are gathered over the EP group the same
+way. The other ranks of the stage's replica 0 take part in the gathers and yield nothing;
+ranks of other replicas do not take part.
 
 Memory: besides its own shard, the sender holds one unit's full tensors at a time (a
 decoder layer, or the embedding or head): the shards land side by side in one buffer, which
@@ -24,6 +26,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megatron_grpo.config import ModelConfig
+from megatron_grpo.convert.experts import expert_index, with_expert_index
 from megatron_grpo.convert.sharding import tp_layout, unshard_stacked
 from megatron_grpo.convert.weights import (
     HF_EMBEDDING,
@@ -46,6 +49,18 @@ parameters under full-model megatron names."""
 def is_stage_sender(ctx: ParallelContext) -> bool:
     """Whether this rank sends its pipeline stage's weights."""
     return ctx.dp_rank == 0 and ctx.cp_rank == 0 and ctx.tp_rank == 0
+
+
+def _expert_dp_rank(ctx: ParallelContext) -> int:
+    return dist.get_rank(ctx.pg.expt_dp) if ctx.dims.ep > 1 else 0  # type: ignore[attr-defined]
+
+
+def takes_part(ctx: ParallelContext) -> bool:
+    """Whether this rank takes part in gathering its stage's weights: the ranks of
+    data-parallel replica 0 (the dense weights, over TP) and, with expert parallelism, those
+    of expert-data-parallel replica 0 (the experts, over EP)."""
+    dense = ctx.dp_rank == 0 and ctx.cp_rank == 0
+    return dense or (ctx.dims.ep > 1 and _expert_dp_rank(ctx) == 0)
 
 
 def stage_units(model: list, cfg: ModelConfig, ctx: ParallelContext) -> list[Unit]:
@@ -105,14 +120,47 @@ def globals_to_hf(full: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor
     return out
 
 
+def _gather_ep(experts: dict[str, Tensor], ctx: ParallelContext) -> dict[str, Tensor]:
+    """Every EP rank's experts of one layer, under their global names, on EP rank 0 ({}
+    elsewhere). Collective over the EP group: every rank holds as many experts, alike."""
+    dst = dist.get_global_rank(ctx.ep_group, 0)
+    local = sorted(experts, key=lambda n: (expert_index(n), n))
+    per_rank = len({expert_index(n) for n in local})
+    first = min((expert_index(n) or 0 for n in local), default=0)  # ep_rank * per_rank
+    out: dict[str, Tensor] = {}
+    for name in local:
+        send = experts[name].detach().contiguous()
+        stacked = send.new_empty(ctx.dims.ep, *send.shape) if ctx.ep_rank == 0 else None
+        dist.gather(send, None if stacked is None else list(stacked), dst=dst, group=ctx.ep_group)
+        if stacked is not None:
+            index = (expert_index(name) or 0) - first
+            for r in range(ctx.dims.ep):
+                out[with_expert_index(name, r * per_rank + index)] = stacked[r]
+    return out
+
+
+def _split_experts(params: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    experts = {n: t for n, t in params.items() if expert_index(n) is not None}
+    return {n: t for n, t in params.items() if n not in experts}, experts
+
+
 @torch.no_grad()
 def stage_hf_layers(model: list, cfg: ModelConfig, ctx: ParallelContext) -> Iterator[dict]:
     """This stage's weights as HF-named tensors, a decoder layer (or the globals) at a time,
-    on the stage's TP rank 0; the other TP ranks iterate too (they take part in the gathers)
-    and get nothing. Parameters must be up to date (``model.sync_params``)."""
+    on the stage's sender (``is_stage_sender``); the other ranks that take part
+    (``takes_part``) iterate too, joining the TP gathers of the dense weights and the EP
+    gathers of the experts, and get nothing. Parameters must be up to date
+    (``model.sync_params``)."""
+    dense_part = ctx.dp_rank == 0 and ctx.cp_rank == 0
+    expert_part = ctx.dims.ep > 1 and _expert_dp_rank(ctx) == 0
     for layer, params in stage_units(model, cfg, ctx):
-        full = {name: _gather_tp(name, t, cfg, ctx) for name, t in params.items()}
-        if ctx.tp_rank != 0:
+        dense, experts = _split_experts(params) if ctx.dims.ep > 1 else (params, {})
+        full: dict[str, Tensor | None] = {}
+        if dense_part:
+            full = {name: _gather_tp(name, t, cfg, ctx) for name, t in dense.items()}
+        if expert_part and experts:
+            full |= _gather_ep(experts, ctx)
+        if not is_stage_sender(ctx):
             continue
         joined = {name: t for name, t in full.items() if t is not None}
         if layer is None:

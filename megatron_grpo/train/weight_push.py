@@ -1,7 +1,8 @@
 """Weight sync from the learner's ranks: every pipeline stage streams its own weights.
 
-Collective over the world; only the ranks of data-parallel replica 0 (and context-parallel
-rank 0) do more than bring their parameters up to date:
+Collective over the world; only the ranks of data-parallel replica 0 (and, with expert
+parallelism, of expert-data-parallel replica 0) do more than bring their parameters up to
+date (``mcore.hf_export.takes_part``):
 1. the main rank opens the push on the engines and sends every rank of replica 0 a
    ``SyncPlan`` over a gloo group of those ranks (made once, here);
 2. each stage streams its layers (``mcore.hf_export``): the TP ranks join in the gathers,
@@ -20,7 +21,7 @@ from typing import Any
 import torch.distributed as dist
 
 from megatron_grpo.config import ModelConfig, RolloutConfig
-from megatron_grpo.mcore.hf_export import is_stage_sender, stage_hf_layers
+from megatron_grpo.mcore.hf_export import is_stage_sender, stage_hf_layers, takes_part
 from megatron_grpo.mcore.model import sync_params
 from megatron_grpo.mcore.parallel import ParallelContext
 from megatron_grpo.rollout.stage_sender import StageReport, StageSender, drain
@@ -42,7 +43,7 @@ class WeightPush:
         from megatron_grpo.rollout.runtime import client_config
 
         self.model_cfg, self.ctx = model_cfg, ctx
-        self.member = ctx.dp_rank == 0 and ctx.cp_rank == 0
+        self.member = takes_part(ctx)
         self.group: Any = None
         if ctx.world_size > 1:
             members: list[Any] = [None] * ctx.world_size

@@ -1,6 +1,8 @@
 """Weight sync from every pipeline stage (``train.weight_push``) into the embedded server.
 
-One TP2 x PP2 launch (4 gloo processes): a tiny random model is loaded from HF, then for
+A TP2 x PP2 launch (4 gloo processes) of a tiny dense model, and a TP2 x PP2 x EP2 launch
+(8, data-parallel 2) of a tiny Qwen3-MoE whose experts are split over EP: the model is
+loaded from HF, then for
 each sync method its weights are moved (seeded noise, the same on every rank) and pushed
 by the trainer's own ``WeightPush`` with 1 MiB buckets, so every stage sends several. The
 embedded server's weights must then equal the learner's weights exported through the
@@ -35,18 +37,18 @@ def _moved(model: list, ctx, cfg, seed: int) -> dict[str, torch.Tensor] | None:
     return None if exported is None else megatron_to_hf(exported, cfg, cfg.hf_family)
 
 
-def push_every_method(hf_dir: str) -> dict[str, Any] | None:
+def push_every_method(hf_dir: str, ep: int) -> dict[str, Any] | None:
     from megatron_grpo.commands.convert.hf_to_megatron import resolve_hf_model
     from megatron_grpo.config import ParallelDims, RolloutConfig
     from megatron_grpo.convert.hf_files import HFCheckpoint, MegatronView
     from megatron_grpo.mcore.full_state import load_full_state
     from megatron_grpo.mcore.model import build_model
     from megatron_grpo.mcore.parallel import init_parallel
-    from megatron_grpo.rollout.embedded.weights import hf_model_from_config
+    from megatron_grpo.rollout.embedded.weights import hf_model_from_config, hf_weights
     from megatron_grpo.rollout.runtime import RolloutRuntime
     from megatron_grpo.train.weight_push import WeightPush
 
-    ctx = init_parallel(ParallelDims(tp=2, pp=2))
+    ctx = init_parallel(ParallelDims(tp=2, pp=2, ep=ep))
     cfg = resolve_hf_model(hf_dir)
     model = build_model(cfg, ctx, wrap_ddp=False)
     load_full_state(model, MegatronView(HFCheckpoint(hf_dir), cfg), cfg, ctx)
@@ -62,7 +64,7 @@ def push_every_method(hf_dir: str) -> dict[str, Any] | None:
         push.close()
         if runtime is not None:
             assert expected is not None and runtime.server is not None
-            served = runtime.server.engine.model.state_dict()
+            served = hf_weights(runtime.server.engine.model)  # MoE experts: per expert
             results[method] = {
                 "version": runtime.server.engine.weight_version,
                 "differ": sorted(k for k, v in expected.items() if not torch.equal(served[k], v)),
@@ -72,12 +74,26 @@ def push_every_method(hf_dir: str) -> dict[str, Any] | None:
     return results if ctx.is_main else None
 
 
-def test_every_stage_streams_its_weights_into_the_embedded_server(tmp_path):
-    hf = random_hf_model(tiny_hf_config("qwen3", hidden_size=128, intermediate_size=512,
-                                        num_hidden_layers=4))  # fmt: skip
-    hf.save_pretrained(tmp_path / "hf")
+CASES = {
+    # name: (HF config, EP, processes)
+    "dense TP2xPP2": (
+        tiny_hf_config("qwen3", hidden_size=128, intermediate_size=512, num_hidden_layers=4),
+        1,
+        4,
+    ),  # fmt: skip
+    "MoE TP2xPP2xEP2": (tiny_hf_config("qwen3_moe", num_hidden_layers=4), 2, 8),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_every_stage_streams_its_weights_into_the_embedded_server(tmp_path, case):
+    hf_config, ep, nprocs = CASES[case]
+    random_hf_model(hf_config).save_pretrained(tmp_path / "hf")
     results = run_workers(
-        f"{HERE}:push_every_method", 4, kwargs={"hf_dir": str(tmp_path / "hf")}, timeout=360
+        f"{HERE}:push_every_method",
+        nprocs,
+        kwargs={"hf_dir": str(tmp_path / "hf"), "ep": ep},
+        timeout=360,
     )
     main = results[0]
     for step, method in enumerate(METHODS, start=1):

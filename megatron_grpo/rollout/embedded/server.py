@@ -47,6 +47,7 @@ from megatron_grpo.rollout.embedded.weights import (
     TENSOR_CONTENT_TYPE,
     copy_into_model,
     deserialize_named_tensors,
+    hf_weights,
     load_hf_model,
     load_shared,
 )
@@ -325,7 +326,7 @@ class _Server:
 
 
 def _copy_all(model: PreTrainedModel, *, source: PreTrainedModel) -> None:
-    copy_into_model(model, source.state_dict(), require_all=True)
+    copy_into_model(model, hf_weights(source), require_all=True)
 
 
 @dataclass

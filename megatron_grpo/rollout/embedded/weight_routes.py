@@ -21,7 +21,7 @@ import torch
 from aiohttp import web
 
 from megatron_grpo.rollout.embedded.engine import GenerationEngine
-from megatron_grpo.rollout.embedded.weights import copy_into_model
+from megatron_grpo.rollout.embedded.weights import copy_into_model, hf_weights
 from megatron_grpo.rollout.sglang_weights import UpdateGroup, open_update_group
 
 
@@ -128,7 +128,7 @@ class WeightRoutes:
             body = dict(request.query)
         name = str(body.get("name", ""))
         truncate = int(body.get("truncate_size", 100))
-        weights = self.engine.model.state_dict()
+        weights = hf_weights(self.engine.model)
         if name not in weights:
             return web.json_response({"error": f"no weight named {name!r}"}, status=400)
         with torch.no_grad():

@@ -180,6 +180,14 @@ def hf_model_from_state(named: Mapping[str, torch.Tensor], cfg: ModelConfig) -> 
     return model
 
 
+def hf_weights(model: PreTrainedModel) -> dict[str, torch.Tensor]:
+    """The model's weights under the names of a saved checkpoint, as views of its
+    parameters: a MoE model's fused in-memory experts (transformers 5) split per expert."""
+    from megatron_grpo.convert.experts import split_hf_experts
+
+    return split_hf_experts(model.state_dict(keep_vars=True))
+
+
 def copy_into_model(
     model: PreTrainedModel, named_tensors: Mapping[str, torch.Tensor], *, require_all: bool
 ) -> None:
@@ -188,7 +196,7 @@ def copy_into_model(
     Raises ValueError, before changing anything, on an unknown name, a shape
     mismatch, or (with ``require_all``) a missing name.
     """
-    targets = model.state_dict(keep_vars=True)
+    targets = hf_weights(model)
     unknown = sorted(set(named_tensors) - set(targets))
     if unknown:
         raise ValueError(f"no such weights in the model: {unknown[:10]}")
