@@ -241,7 +241,8 @@ def test_attached_sglang_servers_get_the_learners_weights_before_the_first_rollo
 
 def test_overlapped_param_gather_serves_and_saves_the_updated_weights(tmp_path, assets):
     """DP2 with the distributed optimizer, parameter gather overlapped or not: after a step
-    the engine generates with, and the checkpoint holds, the updated weights."""
+    the engine holds (checked on every push) and generates with, and the checkpoint holds,
+    the updated weights."""
     runs = {
         overlap: train(
             tmp_path / overlap,
@@ -250,6 +251,7 @@ def test_overlapped_param_gather_serves_and_saves_the_updated_weights(tmp_path, 
             "parallel.pp=1",
             "optim.use_distributed_optimizer=true",
             f"optim.overlap_param_gather={overlap}",
+            "rollout.check_weight_sync=true",  # each push read back from the engine
             nproc=2,
         )
         for overlap in ("true", "false")
