@@ -64,3 +64,23 @@ def test_megatron_cores_per_micro_batch_aux_loss_is_caught():
     assert errs[REFERENCE]["token-mean"]["grad"] > 1e-3, errs[REFERENCE]
     worst = max(max(e.get(k, 0.0) for k in ("grad", "update")) for e in errs["2x1x1x2"].values())
     assert worst > 1e-3, errs["2x1x1x2"]
+
+
+@pytest.mark.parametrize(
+    "features, layout",
+    [(("distopt", "selective"), "2x1x1x2"), (("vpp",), "2x1x2x2")],
+)
+def test_scale_features_keep_the_moe_gradient(features, layout):
+    """The distributed optimizer (experts' states over expert-DP), selective recomputation
+    and the interleaved pipeline with expert parallelism, against the plain single process."""
+    errs = check(
+        [Layout.parse(layout)],
+        modes=["token-mean", "group-seq-mean"],
+        micro_batch_counts=[1, 3],
+        features=features,
+        model_cfg=default_moe_model(),
+        timeout=900,
+    )
+    bad = {n: e for n, e in errs[layout].items() if max(e.values()) > TOLERANCE}
+    assert not bad, bad
+    assert all("aux_loss" in e for e in errs[layout].values())

@@ -1,6 +1,7 @@
 """End to end on a tiny Qwen3-MoE: the trainer's own loop (``megatron-grpo train``) from
 replayed rollouts, single process and at DP2 x PP2 with EP2, the routers' balance loss on;
-both end at the same parameters and log the same balance loss."""
+both end at the same parameters and log the same balance loss. With the distributed
+optimizer (experts' states sharded over expert-DP) a resumed run continues bit for bit."""
 
 from __future__ import annotations
 
@@ -42,9 +43,13 @@ def inputs(tmp_path_factory) -> dict[str, Path]:
 
     root = tmp_path_factory.mktemp("moe_e2e")
     random_hf_model(tiny_hf_config("qwen3_moe", vocab_size=VOCAB)).save_pretrained(root / "hf")
-    for step in (1, 2):
+    for step in (1, 2, 3):
         dump(RolloutBatch(fixed_batch(VOCAB, seed=step), {}), root / "dump", step)
     return {"hf": root / "hf", "dump": root / "dump", "root": root}
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def train(inputs: dict[str, Path], name: str, nproc: int, *overrides: str) -> Path:
@@ -84,10 +89,7 @@ def final_params(out: Path) -> dict:
 def test_moe_trains_to_the_same_parameters_at_ep2(inputs):
     single = train(inputs, "single", 1)
     parallel = train(inputs, "dp2_pp2_ep2", 4, "parallel.pp=2", "parallel.ep=2")
-    rows = [
-        [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-        for out in (single, parallel)
-    ]
+    rows = [metrics(out) for out in (single, parallel)]
     for a, b in zip(*rows):
         assert a["train/moe_aux_loss"] > 0 and a["train/moe_max_load"] >= 1.0
         assert b["train/moe_aux_loss"] == pytest.approx(a["train/moe_aux_loss"], rel=1e-5)
@@ -100,3 +102,22 @@ def test_moe_trains_to_the_same_parameters_at_ep2(inputs):
         f"DP2 x PP2 x EP2 vs single process after 2 steps: max |dp| / max |p| = {worst / scale:.2e}"
     )
     assert worst / scale < 1e-5
+
+
+DISTOPT = (
+    "parallel.pp=2",
+    "parallel.ep=2",
+    "optim.optimizer=adam",
+    "optim.lr=1e-3",
+    "optim.use_distributed_optimizer=true",
+    "train.save_interval=1",
+)
+
+
+def test_moe_with_the_distributed_optimizer_resumes_bit_for_bit(inputs):
+    whole = metrics(train(inputs, "whole", 4, *DISTOPT, "train.total_steps=3"))
+    train(inputs, "resumed", 4, *DISTOPT, "train.total_steps=2")
+    resumed = metrics(train(inputs, "resumed", 4, *DISTOPT, "train.total_steps=3"))
+    assert [r["step"] for r in resumed] == [1, 2, 3]
+    for key in ("train/loss", "train/grad_norm", "train/moe_aux_loss", "train/moe_max_load"):
+        assert resumed[-1][key] == whole[-1][key], key
