@@ -7,6 +7,11 @@ supervised warm-up (it learns the format and some sums), and everything is
 saved as a Hugging Face directory that the trainer starts from.
 
     python examples/cpu_demo/prepare.py --out runs/cpu_demo/assets
+    python examples/cpu_demo/prepare.py --out runs/cpu_demo/assets --moe   # adds moe_model/
+
+With ``--moe`` a tiny Qwen3-MoE (4 experts, top-2) gets the same warm-up and is saved
+beside the dense model as ``moe_model``: the demo trains it with
+``--set train.init=runs/cpu_demo/assets/moe_model``.
 """
 
 from __future__ import annotations
@@ -86,6 +91,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--warmup-steps", type=int, default=150)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--moe", action="store_true", help="also warm up a tiny Qwen3-MoE")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -100,17 +106,18 @@ def main() -> None:
             f.write(json.dumps({"prompt": prompt, "label": label}) + "\n")
     tokenizer = char_tokenizer([p + a for p, a in train_rows])
 
-    model = tiny_qwen2_for(tokenizer, args.seed)
-    warm_up(model, tokenizer, train_rows, args.warmup_steps, args.seed)
-    model.save_pretrained(out / "model")
-    tokenizer.save_pretrained(out / "model")
-    # Measured on the saved model and tokenizer: what the trainer will start from.
-    saved = AutoModelForCausalLM.from_pretrained(out / "model").float().eval()
-    acc = greedy_accuracy(saved, AutoTokenizer.from_pretrained(out / "model"), held_out)
-    (out / "warmup.json").write_text(
-        json.dumps({"greedy_accuracy": acc, "steps": args.warmup_steps})
-    )
-    print(f"warm-up: {args.warmup_steps} steps, greedy accuracy on held-out sums {acc:.2f}")
+    for family, name in [("qwen2", "model")] + ([("qwen3_moe", "moe_model")] if args.moe else []):
+        model = tiny_qwen2_for(tokenizer, args.seed, family)
+        warm_up(model, tokenizer, train_rows, args.warmup_steps, args.seed)
+        model.save_pretrained(out / name)
+        tokenizer.save_pretrained(out / name)
+        # Measured on the saved model and tokenizer: what the trainer will start from.
+        saved = AutoModelForCausalLM.from_pretrained(out / name).float().eval()
+        acc = greedy_accuracy(saved, AutoTokenizer.from_pretrained(out / name), held_out)
+        (out / name / "warmup.json").write_text(
+            json.dumps({"greedy_accuracy": acc, "steps": args.warmup_steps})
+        )
+        print(f"{name}: {args.warmup_steps} warm-up steps, held-out greedy accuracy {acc:.2f}")
     print(f"vocab_size {len(tokenizer)}; assets in {out}")
 
 

@@ -82,12 +82,13 @@ def char_tokenizer(corpus: list[str]):
     )
 
 
-def tiny_qwen2_for(tokenizer, seed: int):
-    """A freshly initialized tiny fp32 Qwen2 (the CPU examples' model) for ``tokenizer``."""
+def tiny_qwen2_for(tokenizer, seed: int, family: str = "qwen2"):
+    """A freshly initialized tiny fp32 Qwen2 (the CPU examples' model) for ``tokenizer``;
+    ``family="qwen3_moe"`` makes the same size of Qwen3-MoE (4 experts, top-2)."""
     import transformers
 
     config = tiny_hf_config(
-        "qwen2",
+        family,
         vocab_size=len(tokenizer),
         rope_theta=10000.0,
         eos_token_id=tokenizer.eos_token_id,
@@ -95,7 +96,7 @@ def tiny_qwen2_for(tokenizer, seed: int):
         bos_token_id=None,
     )
     torch.manual_seed(seed)
-    return transformers.Qwen2ForCausalLM(config).float()
+    return transformers.AutoModelForCausalLM.from_config(config).float()
 
 
 def perturb_weights(model: list, ctx, cfg, seed: int) -> None:

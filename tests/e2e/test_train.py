@@ -10,7 +10,7 @@ from pathlib import Path
 import demo_run
 import pytest
 import torch
-from demo_run import CONFIG, ROOT, demo_argv
+from demo_run import ROOT, demo_argv
 
 from megatron_grpo.launch import run_workers
 
@@ -182,7 +182,7 @@ def test_replayed_step_gives_the_same_parameters_at_two_layouts(tmp_path, assets
             timeout=200,
             kwargs={
                 "ckpt": str(tmp_path / run / "checkpoints" / "step_00000001"),
-                "config": str(CONFIG),
+                "config": str(tmp_path / run / "config.yaml"),  # the run's, model resolved
             },
         )[0]
         for run in ("dp2", "tp2pp2", "gen")
@@ -203,7 +203,9 @@ def test_replayed_step_gives_the_same_parameters_at_two_layouts(tmp_path, assets
         kwargs={"init": str(assets / "model"), "dump": str(tmp_path / "dump"), "lr": 0.5},
     )[0]
     before = ref.pop("_before")
-    after = megatron_to_hf(states[1], load_config(CONFIG).model, "qwen2")
+    after = megatron_to_hf(
+        states[1], load_config(tmp_path / "tp2pp2" / "config.yaml").model, "qwen2"
+    )
     update_scale = max(float(u.abs().max()) for u in ref.values())
     worst = max(float((after[k] - before[k] - ref[k]).abs().max()) for k in ref)
     assert worst / update_scale < 1e-4, worst / update_scale
@@ -268,7 +270,7 @@ def test_overlapped_param_gather_serves_and_saves_the_updated_weights(tmp_path, 
             timeout=200,
             kwargs={
                 "ckpt": str(tmp_path / overlap / "checkpoints" / "step_00000002"),
-                "config": str(CONFIG),
+                "config": str(tmp_path / overlap / "config.yaml"),
             },
         )[0]
         for overlap in ("true", "false")

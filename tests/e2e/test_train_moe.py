@@ -121,3 +121,44 @@ def test_moe_with_the_distributed_optimizer_resumes_bit_for_bit(inputs):
     assert [r["step"] for r in resumed] == [1, 2, 3]
     for key in ("train/loss", "train/grad_norm", "train/moe_aux_loss", "train/moe_max_load"):
         assert resumed[-1][key] == whole[-1][key], key
+
+
+@pytest.fixture(scope="module")
+def moe_assets(tmp_path_factory) -> Path:
+    """The CPU demo's assets with the tiny Qwen3-MoE warmed up beside the dense model."""
+    out = tmp_path_factory.mktemp("moe_assets")
+    subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "cpu_demo" / "prepare.py"), "--out", str(out)]
+        + ["--warmup-steps", "100", "--moe"],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
+    return out
+
+
+@pytest.mark.timeout(900)
+def test_the_cpu_demo_trains_a_tiny_moe_a_set_away(moe_assets, tmp_path):
+    """The demo with ``--set train.init=<moe_model>`` (live rollouts from the embedded
+    server, PP2): the model section follows the checkpoint, every weight push is read back
+    from the engine, the engine's log-probs are the learner's, and the reward rises."""
+    out = tmp_path / "run"
+    argv = demo_run.demo_argv(
+        out,
+        moe_assets,
+        f"train.init={moe_assets / 'moe_model'}",
+        "rollout.prompts_per_step=32",
+        "rollout.samples_per_prompt=8",
+        "train.total_steps=24",
+        "rollout.check_weight_sync=true",
+    )
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=800, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    resolved = (out / "config.yaml").read_text()
+    assert "hf_family: qwen3_moe" in resolved and "num_experts: 4" in resolved
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == list(range(1, 25))
+    assert max(r["train/logprob_mismatch"] for r in rows) < 1e-5
+    reward = [r["rollout/reward_mean"] for r in rows]
+    first, last = sum(reward[:5]) / 5, sum(reward[-5:]) / 5
+    assert last > first + 0.03, (first, last, reward)
