@@ -117,3 +117,37 @@ def perturb_weights(model: list, ctx, cfg, seed: int) -> None:
     dist.broadcast_object_list(box, src=0)
     assert box[0] is not None
     load_full_state(model, box[0], cfg, ctx)
+
+
+def megatron_logits(model: list, ctx, tokens: torch.Tensor, vocab_size: int):
+    """A megatron model's logits for ``tokens``, gathered over TP, on the last pipeline
+    stage (None elsewhere). Collective."""
+    import torch.distributed as dist
+
+    from megatron_grpo.mcore.schedule import TokenBatch, run_schedule
+
+    out: list[torch.Tensor] = []
+
+    def keep(batch, logits):
+        parts = [torch.empty_like(logits) for _ in range(ctx.dims.tp)]
+        dist.all_gather(parts, logits.contiguous(), group=ctx.tp_group)
+        out.append(torch.cat(parts, dim=-1)[..., :vocab_size])
+        return logits.sum() * 0, torch.tensor(1), {}
+
+    with torch.no_grad():
+        run_schedule(model, ctx, [TokenBatch.of(tokens)], keep, forward_only=True)
+    return out[0] if out else None
+
+
+def checkpoint_logits(ctx, cfg, megatron_dir: str, tokens: torch.Tensor):
+    """``megatron_logits`` of a fresh model loaded from a megatron checkpoint; its
+    parameters start as NaN, so anything the load misses shows."""
+    from megatron_grpo.mcore import checkpoint
+    from megatron_grpo.mcore.model import build_model
+
+    model = build_model(cfg, ctx)
+    for chunk in model:
+        for p in chunk.parameters():
+            p.data.fill_(float("nan"))
+    checkpoint.load_model(model, megatron_dir)
+    return megatron_logits(model, ctx, tokens, cfg.vocab_size)

@@ -24,7 +24,7 @@ import transformers
 import yaml
 
 from megatron_grpo.launch import run_workers
-from megatron_grpo.testing import random_hf_model
+from megatron_grpo.testing import checkpoint_logits, random_hf_model
 from megatron_grpo.testing import tiny_hf_config as _tiny_hf_config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -109,37 +109,6 @@ def run_tool(name: str, *args: str) -> subprocess.CompletedProcess:
 
 
 # --------------------------------------------------------------------------- workers
-
-
-def full_logits(model: list, ctx, tokens: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
-    """Logits gathered over TP on the last pipeline stage; None elsewhere."""
-    from megatron_grpo.mcore.schedule import TokenBatch, run_schedule
-
-    out: list[torch.Tensor] = []
-
-    def keep(batch, logits):
-        parts = [torch.empty_like(logits) for _ in range(ctx.dims.tp)]
-        torch.distributed.all_gather(parts, logits.contiguous(), group=ctx.tp_group)
-        out.append(torch.cat(parts, dim=-1)[..., :vocab_size])
-        return logits.sum() * 0, torch.tensor(1), {}
-
-    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
-    with torch.no_grad():
-        run_schedule(model, ctx, [TokenBatch(tokens, positions)], keep, forward_only=True)
-    return out[0] if out else None
-
-
-def checkpoint_logits(ctx, cfg, megatron_dir: str, tokens: torch.Tensor):
-    """Logits of a fresh model (NaN-filled, so anything not loaded shows) loaded from disk."""
-    from megatron_grpo.mcore import checkpoint
-    from megatron_grpo.mcore.model import build_model
-
-    model = build_model(cfg, ctx)
-    for chunk in model:
-        for p in chunk.parameters():
-            p.data.fill_(float("nan"))
-    checkpoint.load_model(model, megatron_dir)
-    return full_logits(model, ctx, tokens, cfg.vocab_size)
 
 
 def convert_load_export(cases: dict[str, dict], cli: dict) -> dict:

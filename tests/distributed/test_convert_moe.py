@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megatron_grpo.launch import run_workers
-from megatron_grpo.testing import random_hf_model, tiny_hf_config
+from megatron_grpo.testing import checkpoint_logits, random_hf_model, tiny_hf_config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -44,36 +44,6 @@ def safetensors_state(path: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def full_logits(model: list, ctx, tokens: torch.Tensor, vocab_size: int):
-    """Logits gathered over TP on the last pipeline stage; None elsewhere."""
-    from megatron_grpo.mcore.schedule import TokenBatch, run_schedule
-
-    out: list[torch.Tensor] = []
-
-    def keep(batch, logits):
-        parts = [torch.empty_like(logits) for _ in range(ctx.dims.tp)]
-        torch.distributed.all_gather(parts, logits.contiguous(), group=ctx.tp_group)
-        out.append(torch.cat(parts, dim=-1)[..., :vocab_size])
-        return logits.sum() * 0, torch.tensor(1), {}
-
-    with torch.no_grad():
-        run_schedule(model, ctx, [TokenBatch.of(tokens)], keep, forward_only=True)
-    return out[0] if out else None
-
-
-def loaded_logits(ctx, cfg, megatron_dir: str, tokens: torch.Tensor):
-    """Logits of a fresh model (NaN-filled: anything the load misses shows) loaded from disk."""
-    from megatron_grpo.mcore import checkpoint
-    from megatron_grpo.mcore.model import build_model
-
-    model = build_model(cfg, ctx)
-    for chunk in model:
-        for p in chunk.parameters():
-            p.data.fill_(float("nan"))
-    checkpoint.load_model(model, megatron_dir)
-    return full_logits(model, ctx, tokens, cfg.vocab_size)
-
-
 def load_resharded(cases: dict[str, dict], ep: int) -> dict:
     """DP2 worker at EP ``ep``: the logits of each case's TP2 x PP2 x EP2 checkpoint."""
     from megatron_grpo.commands.convert.hf_to_megatron import resolve_hf_model
@@ -82,7 +52,7 @@ def load_resharded(cases: dict[str, dict], ep: int) -> dict:
 
     ctx = init_parallel(ParallelDims(ep=ep))
     return {
-        name: loaded_logits(
+        name: checkpoint_logits(
             ctx, resolve_hf_model(case["hf_dir"]), case["megatron_dir"], case["tokens"]
         )
         for name, case in cases.items()
@@ -108,7 +78,7 @@ def convert_load_export(cases: dict[str, dict]) -> dict:
         cfg = resolve_hf_model(case["hf_dir"])
         check_hf_weights(HFCheckpoint(case["hf_dir"]), cfg, ctx.dims)
         convert_hf_on_ranks(ctx, case["hf_dir"], case["megatron_dir"], cfg)
-        logits[name] = loaded_logits(ctx, cfg, case["megatron_dir"], case["tokens"])
+        logits[name] = checkpoint_logits(ctx, cfg, case["megatron_dir"], case["tokens"])
         family = infer_family(cfg)
         export_on_ranks(ctx, case["megatron_dir"], case["export_dir"], cfg, family)
         if ctx.is_main:
