@@ -64,14 +64,7 @@ def _train(cfg: Config, ctx) -> None:
         train_state.remove_partial_saves(out)  # this run holds the directory's lock
         (out / "config.yaml").write_text(dump_config(cfg))
         print(dump_config(cfg), flush=True)
-    model = build_model(cfg.model, ctx, optim=cfg.optim, train=cfg.train)
-    sources.load_initial_weights(model, cfg, ctx)
-    # after the weights: bf16 and the distributed optimizer copy them into fp32 master weights
-    optimizer, scheduler = build_optimizer(cfg.optim, cfg.model, model, ctx)
-    ref_model = None
-    if cfg.loss.kl_coef:  # frozen copy of the initial policy, forward only
-        ref_model = build_model(cfg.model, ctx, wrap_ddp=False)
-        sources.load_initial_weights(ref_model, cfg, ctx)
+    model, optimizer, scheduler, ref_model = _learner(cfg, ctx)
     start_step, extra = 0, dict[str, Any]()
     latest = train_state.latest_checkpoint(out)
     if latest is not None:
@@ -104,12 +97,7 @@ def _train(cfg: Config, ctx) -> None:
             logger.log(0, namespaced("eval", initial))
         for step in range(start_step + 1, cfg.train.total_steps + 1):
             t0 = time.perf_counter()
-            if cfg.rollout.replay_dir is not None:
-                batch = rollout_stage.replay(cfg.rollout.replay_dir, step) if ctx.is_main else None
-            else:
-                assert rollout is not None
-                batch = main_work.run("rollout", functools.partial(rollout.collect, step))
-            batch = broadcast_object(batch, ctx)
+            batch = _step_batch(cfg, ctx, rollout, main_work, step)
             t1 = time.perf_counter()
             history = train_on_rollout(
                 model,
@@ -139,15 +127,39 @@ def _train(cfg: Config, ctx) -> None:
             last = step == cfg.train.total_steps
             if last or (cfg.train.save_interval and step % cfg.train.save_interval == 0):
                 extra = broadcast_object(rollout.state() if rollout else {}, ctx)
-                train_state.save(
-                    out, step, model=model, optimizer=optimizer, scheduler=scheduler, ctx=ctx,
-                    extra=extra, keep_last=cfg.train.keep_last,
-                )  # fmt: skip
+                train_state.save(out, step, model=model, optimizer=optimizer,
+                                 scheduler=scheduler, ctx=ctx, extra=extra,
+                                 keep_last=cfg.train.keep_last)  # fmt: skip
     except BaseException:  # the engines stop and no request is left running; the error stays
         with contextlib.suppress(Exception):
             _close(logger, rollout)
         raise
     _close(logger, rollout)
+
+
+def _learner(cfg: Config, ctx) -> tuple[list, Any, Any, list | None]:
+    """The policy with its initial weights, its optimizer and scheduler, and the frozen
+    reference model when the loss has a KL term."""
+    model = build_model(cfg.model, ctx, optim=cfg.optim, train=cfg.train)
+    sources.load_initial_weights(model, cfg, ctx)
+    # after the weights: bf16 and the distributed optimizer copy them into fp32 master weights
+    optimizer, scheduler = build_optimizer(cfg.optim, cfg.model, model, ctx)
+    ref_model = None
+    if cfg.loss.kl_coef:  # frozen copy of the initial policy, forward only
+        ref_model = build_model(cfg.model, ctx, wrap_ddp=False)
+        sources.load_initial_weights(ref_model, cfg, ctx)
+    return model, optimizer, scheduler, ref_model
+
+
+def _step_batch(cfg: Config, ctx, rollout: _RolloutSide | None, main_work, step: int):
+    """This step's samples on every rank: replayed, or the main rank's rollout (which the
+    other ranks wait for outside collectives)."""
+    if cfg.rollout.replay_dir is not None:
+        batch = rollout_stage.replay(cfg.rollout.replay_dir, step) if ctx.is_main else None
+    else:
+        assert rollout is not None
+        batch = main_work.run("rollout", functools.partial(rollout.collect, step))
+    return broadcast_object(batch, ctx)
 
 
 def _perf(
