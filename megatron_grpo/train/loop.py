@@ -109,10 +109,13 @@ def _train(cfg: Config, ctx) -> None:
                 settings,
                 ref_model=ref_model,
             )
-            sync_params(model)  # weight sync and checkpoints read the full parameters
             t2 = time.perf_counter()
+            # Weight sync and checkpoints read the full parameters: the push brings them up
+            # to date first (model.sync_params), once.
             if rollout is not None:
                 rollout.sync(model, step)
+            else:
+                sync_params(model)
             t3 = time.perf_counter()
             perf = _perf(batch.samples, settings, t0, t1, t2, t3)
             logger.log(
