@@ -191,7 +191,7 @@ def _sync(urls, learner) -> dict[str, Any]:
             prompts=_prompts(1),
             sampling=SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True),
         )
-        check = runtime.loop.run_until_complete(runtime.client.generate(request))
+        check = runtime.io.run(runtime.client.generate(request))
     finally:
         runtime.close()
     return {

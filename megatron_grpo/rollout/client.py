@@ -10,11 +10,20 @@ samples that finished.
 
 Every wait is bounded: a generation by ``request_timeout_s``, a control call
 by ``control_timeout_s`` (``weight_update_timeout_s`` for weight updates).
+
+Weight updates while samples are generating (partial rollouts): ``hold_generation``
+before the update makes new requests wait, and the pause that follows (mode ``abort``)
+ends the running ones with what they had generated; once ``release_generation`` is
+called after the update, each is sent again as prompt + its tokens so far, with the
+budget left. A sample thus has spans of tokens each generated whole by one weight
+version (``Generation.version_spans``): its log-probs are exactly those of that version,
+prefix included, which a resumed KV cache of old weights would not give.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import uuid
@@ -34,12 +43,19 @@ from megatron_grpo.rollout.errors import (
     SampleFailure,
     ServerUnavailableError,
 )
-from megatron_grpo.rollout.protocol import build_generate_payload, parse_generate_response
-from megatron_grpo.rollout.types import Generation, RolloutRequest
+from megatron_grpo.rollout.protocol import (
+    GenerateResult,
+    build_generate_payload,
+    parse_generate_response,
+)
+from megatron_grpo.rollout.types import FinishReason, Generation, RolloutRequest
 
 logger = logging.getLogger(__name__)
 
 PauseMode = Literal["abort", "retract", "in_place"]
+
+SEGMENT_SEED_STRIDE = 1_000_003
+"""A resumed sample's k-th segment samples with seed + k * this."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,6 +119,9 @@ class SGLangClient:
         self._semaphore = asyncio.Semaphore(config.max_concurrency)
         self._in_flight: dict[str, str] = {}  # rid -> url now generating it
         self._background: set[asyncio.Task[None]] = set()
+        self._open = asyncio.Event()  # cleared while a weight update holds generation
+        self._open.set()
+        self._holds = 0  # weight updates that held generation so far
 
     @property
     def urls(self) -> tuple[str, ...]:
@@ -173,13 +192,67 @@ class SGLangClient:
         self, request: RolloutRequest, prompt_index: int, sample_index: int, batch_id: str
     ) -> Generation:
         prompt = request.prompts[prompt_index]
+        budget = request.sampling.max_new_tokens
+        output: list[int] = []
+        logprobs: list[float] = []
+        spans: list[tuple[str | None, int]] = []
+        for segment in itertools.count():
+            await self._open.wait()
+            holds = self._holds
+            result = await self._generate_segment(
+                request,
+                prompt_index,
+                sample_index,
+                f"{batch_id}-p{prompt_index}-s{sample_index}-g{segment}",
+                prompt + tuple(output),
+                budget - len(output),
+                segment,
+            )
+            output += result.output_ids
+            logprobs += result.logprobs
+            if result.output_ids:
+                spans.append((result.weight_version, len(result.output_ids)))
+            finish = result.finish_reason
+            resumable = finish.type == "abort" and self._holds != holds
+            if not resumable:
+                break
+            if len(output) >= budget:  # stopped by the pause at the very last token
+                finish = FinishReason(type="length", detail=budget)
+                break
+        return Generation(
+            prompt_index=prompt_index,
+            sample_index=sample_index,
+            prompt_ids=tuple(prompt),
+            output_ids=tuple(output),
+            rollout_logprobs=tuple(logprobs),
+            finish_reason=finish,
+            weight_version=result.weight_version,
+            version_spans=tuple(spans),
+        )
+
+    async def _generate_segment(
+        self,
+        request: RolloutRequest,
+        prompt_index: int,
+        sample_index: int,
+        rid_base: str,
+        input_ids: Sequence[int],
+        max_new_tokens: int,
+        segment: int,
+    ) -> GenerateResult:
+        """One ``/generate`` of a sample: all of it, or what is left after a weight update."""
         seed = request.sample_seed(prompt_index, sample_index)
+        if seed is not None and segment:  # a resumed sample does not replay its random draws
+            seed += SEGMENT_SEED_STRIDE * segment
+        sampling = request.sampling
+        if segment:
+            sampling = dataclasses.replace(sampling, max_new_tokens=max_new_tokens)
         first_server = next(self._next_url)
 
         async def attempt(k: int) -> Any:
             # A fresh rid per attempt: the server may still hold the previous one.
-            rid = f"{batch_id}-p{prompt_index}-s{sample_index}-a{k}"
-            payload = build_generate_payload(prompt, request.sampling, rid=rid, seed=seed)
+            rid = f"{rid_base}-a{k}"
+            payload = build_generate_payload(input_ids, sampling, rid=rid, seed=seed)
             # Round-robin for the first attempt; each retry moves to the next server.
             url = self._urls[(first_server + k) % len(self._urls)]
             async with self._semaphore:
@@ -191,16 +264,7 @@ class SGLangClient:
             raise RolloutHTTPError(url=err.url, status=err.status, body=err.body) from err
         except http.RetriesExhausted as err:
             raise _gave_up(err) from err
-        result = parse_generate_response(answer)
-        return Generation(
-            prompt_index=prompt_index,
-            sample_index=sample_index,
-            prompt_ids=tuple(prompt),
-            output_ids=result.output_ids,
-            rollout_logprobs=result.logprobs,
-            finish_reason=result.finish_reason,
-            weight_version=result.weight_version,
-        )
+        return parse_generate_response(answer)
 
     async def _post_generate(self, url: str, payload: dict[str, Any], rid: str) -> Any:
         """One attempt: the decoded answer, or the error that ended it.
@@ -273,6 +337,16 @@ class SGLangClient:
 
     async def flush_cache(self) -> None:
         await self._fan_out("POST", "/flush_cache", None)
+
+    async def hold_generation(self) -> None:
+        """Before a weight update: samples not yet sent wait, and those the pause aborts
+        are sent again (with their tokens so far) after ``release_generation``."""
+        self._holds += 1
+        self._open.clear()
+
+    async def release_generation(self) -> None:
+        """After a weight update: held and aborted samples go on."""
+        self._open.set()
 
     async def pause_generation(self, mode: PauseMode = "abort") -> None:
         """Stop generating on every server; ``abort`` (SGLang's default) ends running requests."""

@@ -7,9 +7,10 @@ sglang-router and generation goes through it, while weight updates go to
 each server directly.
 
 It owns one event loop for the clients' whole life (aiohttp sessions are
-bound to the loop that made them), and offers the two things the training
-loop does with the engines: generate groups of completions, and push new
-weights.
+bound to the loop that made them), on a thread of its own (``io_loop.IOLoop``), so that
+one thread can push weights while another waits for generations. It offers the two
+things the training loop does with the engines: generate groups of completions, and push
+new weights.
 
 SGLang engines that stop answering are dropped: before each rollout, those that fail
 ``/health``; during a weight push, those that fail it and no longer answer. The step goes
@@ -23,18 +24,17 @@ push can replace them).
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import functools
 import logging
 import shutil
 import tempfile
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from megatron_grpo.config import ModelConfig, RolloutConfig
+from megatron_grpo.rollout.io_loop import IOLoop
 
 if TYPE_CHECKING:
     from megatron_grpo.rollout.client import ClientConfig
@@ -80,18 +80,20 @@ class RolloutRuntime:
         else:
             self.servers = _start_or_attach(cfg, model_path)
             generate_urls, weight_urls = self.servers.generate_urls, self.servers.urls
-        self.loop = asyncio.new_event_loop()
+        self.io = IOLoop()
 
         def client(urls: tuple[str, ...]) -> SGLangClient:
-            opened = SGLangClient(client_config(cfg, urls))
-            self.loop.run_until_complete(opened.__aenter__())
-            return opened
+            async def opened() -> SGLangClient:
+                return await SGLangClient(client_config(cfg, urls)).__aenter__()
+
+            return self.io.run(opened())
 
         try:
             self.client = client(generate_urls)
             same = weight_urls == generate_urls
             self.weight_client = self.client if same else client(weight_urls)
         except BaseException:
+            self.io.close()
             self._stop_engines()
             raise
         self.dropped: list[str] = []
@@ -120,16 +122,11 @@ class RolloutRuntime:
             ),
         )
         self._drop_silent_engines("before a rollout")
-        task = self.loop.create_task(self.client.generate(request))
-        try:
-            flat = self.loop.run_until_complete(task)
+        try:  # interrupted (Ctrl-C), the generation is cancelled: that aborts what is in flight
+            flat = self.io.run(self.client.generate(request))
         finally:
-            if not task.done():  # interrupted (Ctrl-C): cancelling aborts what is in flight
-                task.cancel()
-                with contextlib.suppress(BaseException):
-                    self.loop.run_until_complete(task)
             # Whatever ended it, the aborts it asked for reach the servers before we go on.
-            self.loop.run_until_complete(self.client.settle())
+            self.io.run(self.client.settle())
         groups: list[list[Any]] = [[None] * cfg.samples_per_prompt for _ in prompts]
         for s in flat:
             groups[s.prompt_index][s.sample_index] = s
@@ -159,7 +156,11 @@ class RolloutRuntime:
             disk_dir = tempfile.mkdtemp(prefix="mgrpo_weights_", dir=self.cfg.sync_disk_dir)
 
         async def begin() -> None:
-            await client.pause_generation(mode="in_place")
+            # Samples generating now are aborted with their tokens so far and sent again
+            # once the update is done (SGLangClient.hold_generation): each token is
+            # generated whole by one weight version.
+            await self.client.hold_generation()
+            await client.pause_generation(mode="abort")
             await client.flush_cache()
             if self.cfg.sync_method != "disk":
                 await client.begin_weight_update()
@@ -198,10 +199,13 @@ class RolloutRuntime:
                 if plan.method != "disk":
                     await client.end_weight_update()
             finally:
-                await client.continue_generation()
+                try:
+                    await client.continue_generation()
+                finally:
+                    await self.client.release_generation()
 
         try:
-            self.loop.run_until_complete(finish())
+            self.io.run(finish())
         except RolloutError as err:
             if failed:
                 logger.warning("closing a failed weight update: %s", err)
@@ -232,14 +236,14 @@ class RolloutRuntime:
             "weight version %s checked on %d engine(s)", plan.weight_version, len(plan.urls)
         )
 
-    def _run_or_drop(self, call: Callable[[], Awaitable[None]], why: str) -> None:
+    def _run_or_drop(self, call: Callable[[], Coroutine[Any, Any, None]], why: str) -> None:
         """Run ``call()`` (control calls to every engine in use); on failure drop the engines
         that no longer answer and run it again on the others."""
         from megatron_grpo.rollout.errors import RolloutError
 
         while True:
             try:
-                self.loop.run_until_complete(call())
+                self.io.run(call())
                 return
             except RolloutError as err:
                 if not self._drop_silent_engines(f"{why} failed: {err}", wait=True):
@@ -319,8 +323,8 @@ class RolloutRuntime:
         try:
             self.sender.close()
             for client in {id(c): c for c in (self.client, self.weight_client)}.values():
-                self.loop.run_until_complete(client.close())
-            self.loop.close()
+                self.io.run(client.close())
+            self.io.close()
         finally:
             self._stop_engines()
 

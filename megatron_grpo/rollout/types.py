@@ -108,10 +108,18 @@ class Generation:
     """Why generation ended."""
     weight_version: str | None
     """The server's weight version when the sample finished."""
+    version_spans: tuple[tuple[str | None, int], ...] = ()
+    """(weight version, token count) of each run of output tokens one version generated,
+    in order: one span unless a weight update came while the sample was generating."""
 
     def __post_init__(self) -> None:
         if len(self.output_ids) != len(self.rollout_logprobs):
             raise ValueError(
                 f"sample ({self.prompt_index}, {self.sample_index}) has "
                 f"{len(self.output_ids)} output tokens but {len(self.rollout_logprobs)} logprobs"
+            )
+        if self.version_spans and sum(n for _, n in self.version_spans) != len(self.output_ids):
+            raise ValueError(
+                f"sample ({self.prompt_index}, {self.sample_index}) has "
+                f"{len(self.output_ids)} output tokens but version spans {self.version_spans}"
             )

@@ -1,0 +1,81 @@
+"""An asyncio event loop on a thread of its own, which any other thread can run coroutines on.
+
+The rollout runtime's HTTP clients live on one loop for their whole life (aiohttp sessions
+are bound to the loop that made them). With the loop on its own thread, the main thread can
+push weights (pause, update, continue) while a producer thread waits for generations on the
+same clients.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+CANCEL_WAIT_S = 30.0
+"""How long ``run`` waits for a coroutine it cancelled (on Ctrl-C) to finish cancelling."""
+
+
+class IOLoop:
+    def __init__(self, name: str = "rollout-io") -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def submit(self, call: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Start ``call`` on the loop; its future."""
+        return asyncio.run_coroutine_threadsafe(call, self.loop)
+
+    def run(self, call: Coroutine[Any, Any, T]) -> T:
+        """Run ``call`` on the loop and wait for its result, from any other thread.
+
+        An exception in the waiting thread (Ctrl-C) cancels ``call`` and waits for it to
+        finish cancelling (what it does then, such as aborting requests, is done) before the
+        exception goes on."""
+        task = self.submit(_started(call)).result()
+        try:
+            return self.submit(_awaited(task)).result()
+        except BaseException:
+            if not task.done():
+                cancelled = self.submit(_cancelled(task))
+                concurrent.futures.wait([cancelled], timeout=CANCEL_WAIT_S)
+            raise
+
+    def close(self) -> None:
+        """Stop the loop and its thread; coroutines still running are cancelled."""
+        if self.loop.is_closed():
+            return
+
+        async def cancel_rest() -> None:
+            rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in rest:
+                task.cancel()
+            await asyncio.gather(*rest, return_exceptions=True)
+            await self.loop.shutdown_asyncgens()
+
+        if self._thread.is_alive():
+            self.run(cancel_rest())
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join()
+        self.loop.close()
+
+
+async def _started(call: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+    return asyncio.ensure_future(call)
+
+
+async def _awaited(task: asyncio.Task[T]) -> T:
+    return await task
+
+
+async def _cancelled(task: asyncio.Task[Any]) -> None:
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)

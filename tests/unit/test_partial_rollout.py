@@ -1,0 +1,71 @@
+"""Partial rollouts: a weight update while samples generate aborts them and resumes them from
+their tokens so far, so each token's log-prob is exactly its recorded version's."""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+
+import torch
+
+from megatron_grpo.config import RolloutConfig
+from megatron_grpo.config.hf import model_config_from_hf
+from megatron_grpo.rollout.runtime import RolloutRuntime
+from megatron_grpo.testing import random_hf_model, tiny_hf_config
+
+
+def logprobs_under(model, tokens: list[int], start: int) -> torch.Tensor:
+    """log p(tokens[t] | tokens[:t]) for t >= start, the whole prefix run by ``model``."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([tokens])).logits[0].double()
+    logp = torch.log_softmax(logits[:-1], -1).gather(-1, torch.tensor(tokens[1:])[:, None])[:, 0]
+    return logp[start - 1 :]
+
+
+def test_a_weight_update_mid_generation_resumes_samples_at_the_new_version():
+    hf_config = tiny_hf_config("qwen2")
+    old = random_hf_model(hf_config, seed=0)
+    new = copy.deepcopy(old)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    cfg = RolloutConfig(prompts_per_step=4, samples_per_prompt=2, max_new_tokens=60)
+    runtime = RolloutRuntime(
+        cfg, hf_model=old, weight_version="0", model_cfg=model_config_from_hf(hf_config)
+    )
+    prompts = [[3, 4, 5], [6, 7], [8, 9, 10, 11], [12]]
+    result: dict = {}
+
+    def rollout() -> None:
+        result["groups"] = runtime.generate_groups(prompts, cfg, seed=7, stop_token_ids=[])
+
+    try:
+        producer = threading.Thread(target=rollout)
+        producer.start()
+        engine = runtime.server.engine
+        deadline = time.monotonic() + 30
+        while engine.stats.steps < 5 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        runtime.push_weights(new.state_dict(), weight_version="1")
+        producer.join(timeout=120)
+        assert not producer.is_alive()
+    finally:
+        runtime.close()
+
+    samples = [s for group in result["groups"] for s in group]
+    split = [s for s in samples if [v for v, _ in s.version_spans] == ["0", "1"]]
+    assert split, [s.version_spans for s in samples]  # the update came mid-sequence
+    assert all(s.weight_version == "1" for s in split)
+    worst = 0.0
+    for s in samples:
+        tokens = list(s.prompt_ids) + list(s.output_ids)
+        assert sum(n for _, n in s.version_spans) == len(s.output_ids)
+        done = 0  # output tokens checked so far
+        for version, n in s.version_spans:
+            model = {"0": old, "1": new}[version]
+            expected = logprobs_under(model, tokens, len(s.prompt_ids) + done)[:n]
+            got = torch.tensor(s.rollout_logprobs[done : done + n]).double()
+            worst = max(worst, float((expected - got).abs().max()))
+            done += n
+    assert worst <= 1e-5, worst
