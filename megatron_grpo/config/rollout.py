@@ -75,6 +75,11 @@ class RolloutConfig:
     check_weight_sync: bool = False
     """After each push, read the first rows of every weight back from every engine
     (``/get_weights_by_name``) and stop, naming them, if any differs from the learner's."""
+    max_staleness: int = 0
+    """0: each step generates its rollout, then trains on it (synchronous). k >= 1: the
+    rollouts of the next steps are generated while the learner trains (asynchronous), each
+    by a policy at most k weight versions older than the one it trains; samples a weight
+    update interrupts go on under the new weights (partial rollouts)."""
     dump_dir: str | None = None
     """Write each step's training samples here (jsonl)."""
     replay_dir: str | None = None
@@ -84,6 +89,8 @@ class RolloutConfig:
         for name in ("prompts_per_step", "samples_per_prompt", "max_new_tokens", "max_concurrency"):
             if getattr(self, name) < 1:
                 raise ValueError(f"rollout.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_staleness < 0:
+            raise ValueError(f"rollout.max_staleness must be >= 0, got {self.max_staleness}")
         if self.num_servers < 1:
             raise ValueError(f"rollout.num_servers must be >= 1, got {self.num_servers}")
         if self.temperature < 0:

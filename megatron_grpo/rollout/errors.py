@@ -15,6 +15,10 @@ class ServerUnavailableError(RolloutError):
     """The server could not be reached (connection refused or dropped) after every retry."""
 
 
+class RolloutStoppedError(RolloutError):
+    """Generation was asked for after the run stopped its engines' generation."""
+
+
 class RolloutTimeoutError(RolloutError):
     """The server did not answer within the request's timeout."""
 

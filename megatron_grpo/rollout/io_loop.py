@@ -23,6 +23,7 @@ CANCEL_WAIT_S = 30.0
 class IOLoop:
     def __init__(self, name: str = "rollout-io") -> None:
         self.loop = asyncio.new_event_loop()
+        self._running: set[asyncio.Task[Any]] = set()
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
@@ -41,13 +42,25 @@ class IOLoop:
         finish cancelling (what it does then, such as aborting requests, is done) before the
         exception goes on."""
         task = self.submit(_started(call)).result()
+        self._running.add(task)
         try:
             return self.submit(_awaited(task)).result()
         except BaseException:
-            if not task.done():
-                cancelled = self.submit(_cancelled(task))
-                concurrent.futures.wait([cancelled], timeout=CANCEL_WAIT_S)
+            self.cancel(task)
             raise
+        finally:
+            self._running.discard(task)
+
+    def cancel(self, task: asyncio.Task[Any]) -> None:
+        """Cancel ``task`` (one that ``run`` runs) and wait for it to finish cancelling."""
+        if not task.done():
+            cancelled = self.submit(_cancelled(task))
+            concurrent.futures.wait([cancelled], timeout=CANCEL_WAIT_S)
+
+    def cancel_running(self) -> None:
+        """Cancel what ``run`` runs now, for every thread waiting in it."""
+        for task in list(self._running):
+            self.cancel(task)
 
     def close(self) -> None:
         """Stop the loop and its thread; coroutines still running are cancelled."""

@@ -96,6 +96,7 @@ class RolloutRuntime:
             self.io.close()
             self._stop_engines()
             raise
+        self._stopped = False
         self.dropped: list[str] = []
         """Engines out of use since they stopped answering."""
         self.sender = StageSender(
@@ -121,6 +122,10 @@ class RolloutRuntime:
                 seed=seed,
             ),
         )
+        from megatron_grpo.rollout.errors import RolloutStoppedError
+
+        if self._stopped:
+            raise RolloutStoppedError("the rollout engines' generation was stopped")
         self._drop_silent_engines("before a rollout")
         try:  # interrupted (Ctrl-C), the generation is cancelled: that aborts what is in flight
             flat = self.io.run(self.client.generate(request))
@@ -131,6 +136,12 @@ class RolloutRuntime:
         for s in flat:
             groups[s.prompt_index][s.sample_index] = s
         return groups
+
+    def stop_generation(self) -> None:
+        """Cancel the generations running (their requests are aborted) and refuse new ones:
+        for a thread that generates, from another, at the end of a run."""
+        self._stopped = True
+        self.io.cancel_running()
 
     def push_weights(self, named: Mapping[str, torch.Tensor], *, weight_version: str) -> None:
         """Send HF-named weights held by this process alone (one sender) to every engine."""

@@ -93,6 +93,29 @@ def length_by_advantage(generations: list[list[Any]], advantages: torch.Tensor) 
     return out
 
 
+def staleness_stats(generations: list[list[Any]], step: int) -> dict[str, float]:
+    """How many weight versions each trained sample's oldest token is behind the policy that
+    trains on it (version step - 1), and the fraction a weight update split into spans."""
+    ages, split = [], 0
+    for group in generations:
+        for gen in group:
+            versions = [v for v, _ in gen.version_spans] or [gen.weight_version]
+            try:
+                oldest = min(int(v) for v in versions)
+            except (TypeError, ValueError):
+                raise RuntimeError(
+                    f"step {step}: a sample's weight versions {versions} are not step numbers "
+                    "(an engine that never got the learner's weights?)"
+                ) from None
+            ages.append(step - 1 - oldest)
+            split += len(gen.version_spans) > 1
+    return {
+        "staleness_mean": sum(ages) / len(ages),
+        "staleness_max": float(max(ages)),
+        "partial_fraction": split / len(ages),
+    }
+
+
 def collect(
     step: int,
     *,
@@ -168,6 +191,8 @@ def collect(
         "sampling_rounds": float(rounds),
         "generated_tokens_per_s": sum(lengths) / max(elapsed, 1e-9),
     }
+    if cfg.max_staleness:
+        stats |= staleness_stats(kept_gens, step)
     return RolloutBatch(samples, stats)
 
 

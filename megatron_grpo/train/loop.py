@@ -22,6 +22,7 @@ from megatron_grpo.mcore.optim import build_optimizer
 from megatron_grpo.mcore.parallel import broadcast_object, init_parallel
 from megatron_grpo.metrics import MetricsLogger, namespaced
 from megatron_grpo.rollout import stage as rollout_stage
+from megatron_grpo.rollout.producer import RolloutProducer
 from megatron_grpo.train import sources
 from megatron_grpo.train import state as train_state
 from megatron_grpo.train.main_wait import MainRankWork
@@ -129,7 +130,7 @@ def _train(cfg: Config, ctx) -> None:
             )
             last = step == cfg.train.total_steps
             if last or (cfg.train.save_interval and step % cfg.train.save_interval == 0):
-                extra = broadcast_object(rollout.state() if rollout else {}, ctx)
+                extra = broadcast_object(rollout.state(step) if rollout else {}, ctx)
                 train_state.save(out, step, model=model, optimizer=optimizer,
                                  scheduler=scheduler, ctx=ctx, extra=extra,
                                  keep_last=cfg.train.keep_last)  # fmt: skip
@@ -222,7 +223,22 @@ class _RolloutSide:
         # The engines load their weights elsewhere (a random embedded model, a server's
         # model path, which need not be the policy's: a Megatron train.init, a resumed
         # run); the first rollout uses the learner's.
+        self.producer: RolloutProducer | None = None
         self.sync(model, start_step)
+        if ctx.is_main and cfg.rollout.max_staleness:
+            self.producer = self._producer(start_step)
+
+    def _producer(self, start_step: int) -> RolloutProducer:
+        """The rollouts of the steps after ``start_step``, made ahead on a thread of their own."""
+        return RolloutProducer(
+            self._collect,
+            sampler=self.sampler,
+            first_step=start_step + 1,
+            last_step=self.cfg.train.total_steps,
+            max_staleness=self.cfg.rollout.max_staleness,
+            weight_version=start_step,
+            stop_generation=self.runtime.stop_generation,
+        )
 
     def _start(self, cfg: Config, extra: dict, start_step: int) -> None:
         from transformers import AutoTokenizer
@@ -250,8 +266,12 @@ class _RolloutSide:
         )
 
     def collect(self, step: int):
+        """Step ``step``'s batch on the main rank: made now, or taken from the producer."""
         if not self.ctx.is_main:
             return None
+        return self.producer.get(step) if self.producer else self._collect(step)
+
+    def _collect(self, step: int):
         batch = rollout_stage.collect(
             step,
             sampler=self.sampler,
@@ -270,11 +290,20 @@ class _RolloutSide:
     def sync(self, model: list, step: int) -> None:
         """Push the policy to the engines as weight version ``step``. Collective."""
         self.weight_push(model, str(step), self.runtime)
+        if self.producer is not None:
+            self.producer.weights_pushed(step)
 
-    def state(self) -> dict:
-        return {"sampler": self.sampler.state_dict()} if self.ctx.is_main else {}
+    def state(self, step: int) -> dict:
+        """What a checkpoint of step ``step`` keeps: the prompt sampler once that step's
+        batch was drawn (rollouts produced for later steps are made again on resume)."""
+        if not self.ctx.is_main:
+            return {}
+        sampler = self.producer.sampler_state(step) if self.producer else self.sampler.state_dict()
+        return {"sampler": sampler}
 
     def close(self) -> None:
+        if self.producer is not None:
+            self.producer.close()
         self.weight_push.close()
         if self.ctx.is_main:
             self.scorer.close()  # its worker processes, if any
