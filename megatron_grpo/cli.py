@@ -156,12 +156,23 @@ def cmd_compare_modes(args: argparse.Namespace) -> int:
     from megatron_grpo.commands.compare import compare_modes
     from megatron_grpo.config import MODES, check_mode
 
-    modes = list(MODES) if args.modes == "all" else [m for m in args.modes.split(",") if m]
+    variants: dict[str, list[str]] = {}
+    for item in args.variant:
+        name, sep, override = item.partition(":")
+        if not (name and sep and "=" in override):
+            raise ValueError(f"--variant takes NAME:KEY=VALUE, got {item!r}")
+        variants.setdefault(name, []).append(override)
+    if variants and args.modes is not None:
+        raise ValueError("give --modes or --variant, not both")
+    modes = [] if variants else list(MODES)
+    if args.modes not in (None, "all"):
+        modes = [m for m in args.modes.split(",") if m]
     for mode in modes:
         check_mode(mode)
     result = compare_modes(
         config=args.config,
         modes=modes,
+        variants=variants,
         num_seeds=args.seeds,
         out=args.out,
         overrides=args.overrides,
@@ -232,7 +243,15 @@ def build_parser() -> argparse.ArgumentParser:
         "a summary table (summary.md, summary.csv). Exits 1 if a run failed.",
     )
     add_config_args(p)
-    p.add_argument("--modes", default="all", help="comma-separated loss modes, or 'all'")
+    p.add_argument("--modes", help="comma-separated loss modes, or 'all' (the default)")
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME:KEY=VALUE",
+        help="instead of loss modes, compare named variants: each --variant adds one "
+        "override to variant NAME (e.g. --variant async:rollout.max_staleness=1)",
+    )
     p.add_argument(
         "--seeds", type=int, default=1, help="seeds per mode: the config's seed, +1, +2, ..."
     )

@@ -17,7 +17,12 @@ class RolloutConfig:
     """Where generations come from and how they are sampled."""
 
     engine: Literal["embedded", "sglang"] = "embedded"
-    """The embedded CPU server inside the trainer, or SGLang servers (started or at ``urls``)."""
+    """The embedded CPU server, or SGLang servers (started or at ``urls``)."""
+    embedded_server: Literal["auto", "thread", "process"] = "auto"
+    """engine=embedded: serve from a thread of the main rank, or from ``num_servers``
+    processes of their own (``python -m megatron_grpo.rollout.embedded``, started and
+    watched like launched SGLang servers), so that generation runs beside training; auto is
+    process when max_staleness >= 1, else thread."""
     urls: list[str] = field(default_factory=list)
     """SGLang servers (or one sglang-router) to attach to when engine=sglang."""
     launch_command: str | None = None
@@ -85,6 +90,15 @@ class RolloutConfig:
     replay_dir: str | None = None
     """Train from samples dumped earlier instead of generating (no server)."""
 
+    @property
+    def embedded_process(self) -> bool:
+        """The embedded engine serves from processes of its own."""
+        if self.engine != "embedded":
+            return False
+        if self.embedded_server == "auto":
+            return self.max_staleness > 0
+        return self.embedded_server == "process"
+
     def __post_init__(self) -> None:
         for name in ("prompts_per_step", "samples_per_prompt", "max_new_tokens", "max_concurrency"):
             if getattr(self, name) < 1:
@@ -109,6 +123,8 @@ class RolloutConfig:
         for name in timeouts:
             if getattr(self, name) <= 0:
                 raise ValueError(f"rollout.{name} must be > 0, got {getattr(self, name)}")
+        if self.embedded_server != "auto" and self.engine != "embedded":
+            raise ValueError("rollout.embedded_server is for rollout.engine=embedded")
         if self.engine == "sglang" and self.replay_dir is None:
             if not self.urls and not self.launch_command:
                 raise ValueError("rollout.engine=sglang needs rollout.urls or launch_command")

@@ -66,7 +66,12 @@ class RolloutRuntime:
         self.model_cfg = model_cfg
         self.server = None
         self.servers = None
-        if cfg.engine == "embedded":
+        if cfg.embedded_process:
+            if model_cfg is None:
+                raise ValueError("embedded server processes need the policy's model config")
+            self.servers = _launch_embedded(cfg, model_cfg, seed=seed)
+            generate_urls = weight_urls = self.servers.urls
+        elif cfg.engine == "embedded":
             if hf_model is None:
                 raise ValueError("the embedded rollout engine needs the policy as a HF model")
             self.server = start_embedded_server(
@@ -274,7 +279,7 @@ class RolloutRuntime:
         weights), wait up to ``server_startup_timeout_s`` for one to answer; else stop."""
         from megatron_grpo.rollout.errors import ServerUnavailableError
 
-        if self.cfg.engine != "sglang":
+        if self.servers is None:  # the embedded server lives and dies with this process
             return []
         silent = [u for u in self.weight_client.urls if not self._answers(u)]
         if not silent:
@@ -380,3 +385,35 @@ def _start_or_attach(cfg: RolloutConfig, model_path: str | None):
             router_url=cfg.router_url,
         )
     )
+
+
+def _launch_embedded(cfg: RolloutConfig, model_cfg: ModelConfig, *, seed: int):
+    """``cfg.num_servers`` embedded servers in processes of their own, started as launched
+    SGLang servers are, from the policy's config with random weights (the first push
+    gives them the policy's)."""
+    import sys
+
+    from megatron_grpo.convert.hf_config import hf_config_from_model_config
+    from megatron_grpo.rollout.servers import LaunchConfig, launch_servers
+
+    model_dir = tempfile.mkdtemp(prefix="mgrpo_embedded_model_")
+    hf_config_from_model_config(model_cfg, model_cfg.hf_family).save_pretrained(model_dir)
+    batch = cfg.prompts_per_step * cfg.samples_per_prompt
+    command = (
+        f"{sys.executable} -m megatron_grpo.rollout.embedded --model-path {{model}} "
+        f"--host {{host}} --port {{port}} --load-format dummy --seed {seed} "
+        f"--max-batch-size {batch}"
+    )
+    try:
+        return launch_servers(
+            LaunchConfig(
+                command=command,
+                num_servers=cfg.num_servers,
+                host=cfg.server_host,
+                model=model_dir,
+                log_dir=cfg.server_log_dir or tempfile.mkdtemp(prefix="mgrpo_embedded_logs_"),
+                startup_timeout_s=cfg.server_startup_timeout_s,
+            )
+        )
+    finally:
+        shutil.rmtree(model_dir, ignore_errors=True)  # read once the servers answer

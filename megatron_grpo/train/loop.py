@@ -65,6 +65,13 @@ def _train(cfg: Config, ctx) -> None:
         train_state.remove_partial_saves(out)  # this run holds the directory's lock
         (out / "config.yaml").write_text(dump_config(cfg))
         print(dump_config(cfg), flush=True)
+        if cfg.rollout.max_staleness and cfg.loss.tis_level is None:
+            print(
+                "megatron-grpo: warning: rollout.max_staleness >= 1 without loss.tis_level: "
+                "the loss does not correct for the older policies that generated the samples "
+                "(docs/async.md)",
+                flush=True,
+            )
     model, optimizer, scheduler, ref_model = _learner(cfg, ctx)
     start_step, extra = 0, dict[str, Any]()
     latest = train_state.latest_checkpoint(out)
@@ -254,7 +261,7 @@ class _RolloutSide:
             self.sampler.load_state_dict(extra["sampler"])
         self.scorer = RewardScorer(cfg.reward)
         self.stop = rollout_stage.stop_token_ids(self.tokenizer, cfg.rollout.stop_token_ids)
-        embedded = cfg.rollout.engine == "embedded"
+        embedded = cfg.rollout.engine == "embedded" and not cfg.rollout.embedded_process
         self.runtime = RolloutRuntime(
             cfg.rollout,
             hf_model=hf_model_from_config(cfg.model) if embedded else None,

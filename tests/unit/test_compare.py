@@ -136,7 +136,8 @@ def test_finished_rows_needs_every_step_and_keeps_the_last_row_of_a_step(tmp_pat
 
 
 def test_train_command_sets_mode_seed_and_output_dir_last(tmp_path):
-    cmd = train_command("c.yaml", ["seed=9", "optim.lr=1e-4"], "token-mean", 3, tmp_path, 2)
+    arm = ["loss.mode=token-mean"]
+    cmd = train_command("c.yaml", ["seed=9", "optim.lr=1e-4"], arm, 3, tmp_path, 2)
     assert cmd[1:5] == ["-m", "megatron_grpo.cli", "train", "--nproc"]
     sets = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--set"]
     assert sets == [
@@ -146,6 +147,20 @@ def test_train_command_sets_mode_seed_and_output_dir_last(tmp_path):
         "seed=3",
         f"output_dir={tmp_path}",
     ]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--variant", "async"], "--variant takes NAME:KEY=VALUE, got 'async'"),
+        (["--variant", "a:x=1", "--modes", "token-mean"], "give --modes or --variant, not both"),
+    ],
+)
+def test_bad_variants_are_refused(capsys, argv, message):
+    from megatron_grpo.cli import main
+
+    assert main(["compare-modes", *argv]) == 2
+    assert message in capsys.readouterr().err
 
 
 def test_a_run_that_hangs_is_stopped_at_its_timeout(tmp_path):
@@ -213,3 +228,33 @@ def test_cli_compare_modes_exits_1_when_a_run_failed(tmp_path, monkeypatch, caps
     out = capsys.readouterr().out
     assert "| token-mean | 1 |" in out and "summary.csv" in out
     assert main(["compare-modes", "--modes", "token-mean,bogus", "--out", str(tmp_path)]) == 2
+
+
+def test_named_variants_are_compared_with_their_own_overrides(tmp_path, monkeypatch):
+    seen: list = []
+
+    def run(cmd, log, timeout):
+        sets = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--set"]
+        seen.append(sets)
+        out = Path(sets[-1].split("=", 1)[1])
+        write_metrics(out, rows_of([0.2 + 0.1 * len(seen)] * 6, [10] * 6))
+        return ""
+
+    monkeypatch.setattr(compare_runs, "_run_logged", run)
+    variants = {
+        "sync": ["rollout.max_staleness=0"],
+        "async": ["rollout.max_staleness=1", "reward.num_workers=1"],
+    }
+    result = compare_modes(
+        config=None,
+        modes=[],
+        variants=variants,
+        num_seeds=1,
+        out=tmp_path,
+        overrides=["train.total_steps=6"],
+        k=2,
+        window=2,
+    )
+    assert [s[1:-2] for s in seen] == [variants["sync"], variants["async"]]
+    assert seen[1][-1] == f"output_dir={tmp_path / 'async' / 'seed_1234'}"
+    assert [s.mode for s in result.summary] == ["sync", "async"]

@@ -2,8 +2,9 @@
 
 ``compare_modes`` runs ``megatron-grpo train`` in a subprocess for every
 (mode, seed), one after the other, into ``OUT/<mode>/seed_<S>`` (``runs.py``).
-Runs differ only in ``loss.mode`` and ``seed``: the data order (``data.seed``)
-and the rollout seeds of a given seed are the same for every mode. It then
+Runs differ only in ``loss.mode`` and ``seed`` (or, for named ``variants``, in their own
+overrides and ``seed``): the data order (``data.seed``) and the rollout seeds of a given
+seed are the same for every mode. It then
 writes the figures, ``series.json`` and the summary table under OUT
 (``report.py``).
 """
@@ -11,7 +12,7 @@ writes the figures, ``series.json`` and the summary table under OUT
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from megatron_grpo.commands.compare.report import Comparison, report
@@ -33,8 +34,13 @@ def compare_modes(
     window: int = 5,
     k: int = 5,
     timeout: float | None = None,
+    variants: Mapping[str, Sequence[str]] | None = None,
 ) -> Comparison:
-    """Train every (mode, seed) in turn (reusing finished runs), then write the report."""
+    """Train every (mode, seed) in turn (reusing finished runs), then write the report.
+
+    ``variants`` (name -> overrides) replace the loss modes: each is a curve of its own."""
+    arms = {m: [f"loss.mode={m}"] for m in modes} if not variants else dict(variants)
+    modes = list(arms)
     if num_seeds < 1 or window < 1 or k < 1 or nproc < 1:
         raise ValueError(
             f"--seeds, --window, --last-k and --nproc must be >= 1, "
@@ -45,8 +51,8 @@ def compare_modes(
     base = load_config(config, list(overrides))
     out = Path(out or base.output_dir)
     seeds = [base.seed + i for i in range(num_seeds)]
-    for mode in modes:  # every mode's config is valid before the first run starts
-        load_config(config, [*overrides, f"loss.mode={mode}"])
+    for arm in arms.values():  # every mode's config is valid before the first run starts
+        load_config(config, [*overrides, *arm])
     runs = []
     jobs = [(mode, seed) for seed in seeds for mode in modes]
     for i, (mode, seed) in enumerate(jobs, 1):
@@ -55,6 +61,7 @@ def compare_modes(
             config=config,
             overrides=overrides,
             mode=mode,
+            arm=arms[mode],
             seed=seed,
             out=out,
             total_steps=base.train.total_steps,

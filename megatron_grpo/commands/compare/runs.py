@@ -1,6 +1,7 @@
 """compare-modes' runs: one ``megatron-grpo train`` subprocess per (mode, seed).
 
-A run lives in ``OUT/<mode>/seed_<S>`` with its log in ``train.log``. A run
+A mode is a loss mode (``loss.mode=<mode>``) or a named variant, a list of overrides of
+its own (``--variant``). A run lives in ``OUT/<mode>/seed_<S>`` with its log in ``train.log``. A run
 whose ``metrics.jsonl`` already covers every step is reused, so an
 interrupted comparison resumes; a run that fails is reported, not raised.
 """
@@ -53,12 +54,18 @@ def finished_rows(run_dir: Path, total_steps: int) -> list[dict[str, Any]] | Non
 
 
 def train_command(
-    config: str | None, overrides: Sequence[str], mode: str, seed: int, run_dir: Path, nproc: int
+    config: str | None,
+    overrides: Sequence[str],
+    arm: Sequence[str],
+    seed: int,
+    run_dir: Path,
+    nproc: int,
 ) -> list[str]:
+    """The command of one run: the common overrides, then the mode's own (``arm``)."""
     cmd = [sys.executable, "-m", "megatron_grpo.cli", "train", "--nproc", str(nproc)]
     if config:
         cmd += ["--config", config]
-    ours = [f"loss.mode={mode}", f"seed={seed}", f"output_dir={run_dir}"]
+    ours = [*arm, f"seed={seed}", f"output_dir={run_dir}"]
     for item in [*overrides, *ours]:  # ours come last, so they win
         cmd += ["--set", item]
     return cmd
@@ -89,6 +96,7 @@ def run_one(
     config: str | None,
     overrides: Sequence[str],
     mode: str,
+    arm: Sequence[str],
     seed: int,
     out: Path,
     total_steps: int,
@@ -102,7 +110,7 @@ def run_one(
         return RunResult(mode, seed, run_dir, "reused", rows)
     run_dir.mkdir(parents=True, exist_ok=True)
     log = run_dir / "train.log"
-    error = _run_logged(train_command(config, overrides, mode, seed, run_dir, nproc), log, timeout)
+    error = _run_logged(train_command(config, overrides, arm, seed, run_dir, nproc), log, timeout)
     rows = finished_rows(run_dir, total_steps)
     if not error and rows is None:
         error = f"metrics.jsonl does not cover steps 1..{total_steps}"

@@ -2,7 +2,9 @@
 
     python -m megatron_grpo.rollout.embedded --model-path DIR --port 30000
 
-It serves until SIGTERM or Ctrl-C; ``/health`` answers once the model is loaded.
+It serves until SIGTERM or Ctrl-C; ``/health`` answers once the model is loaded. With
+``--load-format dummy`` (SGLang's name) only DIR's config.json is read and the weights are
+random, for a trainer that pushes its own before the first rollout.
 """
 
 from __future__ import annotations
@@ -21,13 +23,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-batch-size", type=int, default=64)
+    parser.add_argument("--load-format", choices=("auto", "dummy"), default="auto")
+    parser.add_argument("--weight-version", default="default")
     args = parser.parse_args(argv)
+    model = args.model_path
+    if args.load_format == "dummy":
+        import transformers
+
+        config = transformers.AutoConfig.from_pretrained(args.model_path)
+        model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
     handle = start_embedded_server(
-        args.model_path,
+        model,
         args.host,
         args.port,
         seed=args.seed,
         max_batch_size=args.max_batch_size,
+        weight_version=args.weight_version,
     )
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

@@ -1,0 +1,138 @@
+"""Asynchronous RL (rollout.max_staleness=1) vs the synchronous loop, on the CPU demo.
+
+    python bench/async_rl.py                  # 2 repeats x 12 steps of each mode
+    python bench/async_rl.py --quick
+
+Each run is ``megatron-grpo train`` itself (1 learner process), pinned to CPU core 0 with
+``taskset``, while its rollout engine, an embedded server in a process of its own launched
+by the trainer (``rollout.launch_command``), is pinned to core 1: the learner and the
+engine each have one core, as they would have their own GPUs. The rollout is sized so that
+generating it takes about as long as training on it (``--max-new-tokens``). The modes run
+interleaved, in rotating order.
+
+Reported: RL steps per second with staleness 1 / synchronous (target >= 1.4), and for each
+mode the learner's idle fraction: the share of a step it spends waiting for its rollout
+(``perf/time_rollout_s`` over the step's time). The first steps of each run (start-up,
+the producer filling) are left out. Also the reward of both, to show they learn alike.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from _common import Ratio, parser, summary, write_result
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "examples" / "cpu_demo" / "grpo.yaml"
+SKIP = 2
+"""Steps of each run left out of the timing."""
+
+
+def assets(workdir: Path) -> Path:
+    """The CPU demo's model, tokenizer and prompts (examples/cpu_demo/prepare.py)."""
+    out = workdir / "assets"
+    script = ROOT / "examples" / "cpu_demo" / "prepare.py"
+    subprocess.run([sys.executable, str(script), "--out", str(out)], check=True)
+    return out
+
+
+def run(out: Path, data: Path, *, staleness: int, steps: int, args) -> list[dict]:
+    engine = (
+        f"taskset -c 1 {shlex.quote(sys.executable)} -m megatron_grpo.rollout.embedded "
+        "--model-path {model} --host {host} --port {port} "
+        f"--max-batch-size {args.prompts * args.samples}"
+    )
+    overrides = {
+        "output_dir": out,
+        "tokenizer": data / "model",
+        "train.init": data / "model",
+        "data.path": data / "train.jsonl",
+        "parallel.pp": 1,
+        "rollout.engine": "sglang",
+        "rollout.launch_command": engine,
+        "rollout.max_staleness": staleness,
+        "rollout.prompts_per_step": args.prompts,
+        "rollout.samples_per_prompt": args.samples,
+        "rollout.max_new_tokens": args.max_new_tokens,
+        "advantages.dynamic_sampling": "false",
+        "reward.num_workers": 1,
+        "train.total_steps": steps,
+        "train.save_interval": 0,
+        "metrics.tensorboard": "false",
+    }
+    argv = ["taskset", "-c", "0", sys.executable, "-m", "megatron_grpo.cli", "train"]
+    argv += ["--config", str(CONFIG), "--nproc", "1"]
+    for key, value in overrides.items():
+        argv += ["--set", f"{key}={value}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT, timeout=1800)
+    if done.returncode:
+        raise RuntimeError(f"run failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def timing(rows: list[dict]) -> dict[str, float]:
+    """Steps per second and the learner's idle fraction, over the steps after SKIP."""
+    kept = rows[SKIP:]
+    wait = sum(r["perf/time_rollout_s"] for r in kept)
+    total = wait + sum(r["perf/time_train_s"] + r["perf/time_sync_s"] for r in kept)
+    return {
+        "steps_per_s": len(kept) / total,
+        "idle_fraction": wait / total,
+        "final_reward": statistics.mean(r["rollout/reward_mean"] for r in rows[-3:]),
+    }
+
+
+def main() -> None:
+    p = parser(__doc__)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--prompts", type=int, default=32)
+    p.add_argument("--samples", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=8)
+    args = p.parse_args()
+    if args.quick:
+        args.repeats, args.steps = 1, SKIP + 3
+    work = Path(tempfile.mkdtemp(prefix="mgrpo_bench_async_"))
+    data = assets(work)
+    runs: dict[str, list[dict[str, float]]] = {"sync": [], "async": []}
+    modes = list(runs)
+    for rep in range(args.repeats):
+        for mode in modes[rep % 2 :] + modes[: rep % 2]:
+            rows = run(
+                work / f"{mode}_{rep}",
+                data,
+                staleness=1 if mode == "async" else 0,
+                steps=args.steps,
+                args=args,
+            )
+            runs[mode].append(timing(rows))
+            print(mode, rep, runs[mode][-1], flush=True)
+    speedup = Ratio.of(
+        "steps_per_s_staleness1/synchronous",
+        [a["steps_per_s"] / s["steps_per_s"] for a, s in zip(runs["async"], runs["sync"])],
+    )
+    print(speedup.line(1.4, at_most=False))
+    for mode in modes:
+        idle = summary([r["idle_fraction"] for r in runs[mode]])
+        print(f"{mode}: learner idle fraction median {idle['median']:.3f}")
+    write_result(
+        "async_rl",
+        args.out,
+        {
+            "settings": vars(args),
+            "speedup": speedup,
+            "runs": runs,
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()
