@@ -25,7 +25,9 @@ class RewardTimeout(TimeoutError):
 
 
 def _serve(fn: Callable[..., Any], conn: Connection) -> None:
-    """A worker's loop: ``(index, args)`` in, ``(index, ok, value or exception)`` out."""
+    """A worker's loop: once started, ``READY`` out; then ``(index, args)`` in,
+    ``(index, ok, value or exception)`` out."""
+    conn.send(READY)
     while True:
         try:
             job = conn.recv()
@@ -43,14 +45,40 @@ def _serve(fn: Callable[..., Any], conn: Connection) -> None:
                 conn.send((index, False, RuntimeError(f"{type(e).__name__}: {e}")))
 
 
+READY = "ready"
+"""A worker's first message: its imports are done and its function unpickled."""
+
+START_TIMEOUT_S = 300.0
+"""Longest wait for a worker process to start (spawn imports the function's modules)."""
+
+
 class _Worker:
     def __init__(self, ctx: Any, fn: Callable[..., Any]) -> None:
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(target=_serve, args=(fn, child), daemon=True)
         self.process.start()
         child.close()
+        self.started = False
         self.job: tuple[int, float] | None = None
         """``(sample index, deadline)`` of the sample it is running."""
+
+    def wait_started(self) -> None:
+        """Wait for the worker's READY: a sample's time limit counts from its start, not
+        from the process's imports (seconds on a loaded machine)."""
+        if self.started:
+            return
+        if not self.conn.poll(START_TIMEOUT_S):
+            raise RuntimeError(f"a reward worker process did not start in {START_TIMEOUT_S:g} s")
+        try:
+            message = self.conn.recv()
+        except (EOFError, OSError):
+            self.process.join(timeout=1)
+            raise RuntimeError(
+                f"a reward worker process died while starting (exit code "
+                f"{self.process.exitcode}): is the reward function importable?"
+            ) from None
+        assert message == READY, message
+        self.started = True
 
     def kill(self) -> None:
         self.process.kill()
@@ -78,6 +106,7 @@ class WorkerPool:
         while pending or any(w.job for w in self._workers):
             for worker in self._workers:
                 if worker.job is None and pending:
+                    worker.wait_started()
                     index, args = pending.popleft()
                     worker.conn.send((index, args))
                     worker.job = (index, time.monotonic() + self.timeout_s)

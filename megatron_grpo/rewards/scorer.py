@@ -22,7 +22,7 @@ from megatron_grpo.config import RewardConfig
 from megatron_grpo.rewards.custom import load_function
 from megatron_grpo.rewards.math_answer import MathReward
 from megatron_grpo.rewards.remote import RemoteReward
-from megatron_grpo.rewards.runner import RewardRunner
+from megatron_grpo.rewards.runner import RewardRunner, is_async
 from megatron_grpo.rewards.text import FormatReward, exact_match
 
 logger = logging.getLogger(__name__)
@@ -109,6 +109,12 @@ class RewardScorer:
             num_workers=config.num_workers,
             timeout_s=None if remote else config.timeout_s,  # a remote reward has its own
         )
+
+    @property
+    def runs_elsewhere(self) -> bool:
+        """The main function runs outside this thread (worker processes, an async function
+        on a loop of its own, a remote server): scoring may go on beside other work."""
+        return self.runner.pool is not None or is_async(self.runner.fn)
 
     def _main_values(
         self,

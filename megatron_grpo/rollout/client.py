@@ -27,7 +27,7 @@ import dataclasses
 import itertools
 import logging
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -162,19 +162,28 @@ class SGLangClient:
 
     # ---- generation ----
 
-    async def generate(self, request: RolloutRequest) -> list[Generation]:
+    async def generate(
+        self,
+        request: RolloutRequest,
+        on_sample: Callable[[Generation], None] | None = None,
+    ) -> list[Generation]:
         """All samples of ``request``, prompt-major (prompt 0's samples first).
 
         Raises RolloutBatchError when any sample fails; its ``completed`` holds
         the samples that did finish. Samples aborted on the server (pause,
-        ``abort_all``) come back normally with finish type ``abort``.
+        ``abort_all``) come back normally with finish type ``abort``. ``on_sample`` is
+        called with each sample as it finishes (on the event loop: it must not block).
         """
         batch_id = uuid.uuid4().hex[:12]
         keys = [(p, s) for p in range(len(request.prompts)) for s in range(request.num_samples)]
-        outcomes = await asyncio.gather(
-            *(self._generate_sample(request, p, s, batch_id) for p, s in keys),
-            return_exceptions=True,
-        )
+
+        async def sample(p: int, s: int) -> Generation:
+            done = await self._generate_sample(request, p, s, batch_id)
+            if on_sample is not None:
+                on_sample(done)
+            return done
+
+        outcomes = await asyncio.gather(*(sample(p, s) for p, s in keys), return_exceptions=True)
         completed: list[Generation] = []
         failures: list[SampleFailure] = []
         for (p, s), outcome in zip(keys, outcomes):

@@ -110,9 +110,18 @@ class RolloutRuntime:
         """The sender of pipeline stage 0 (this process, the main rank)."""
 
     def generate_groups(
-        self, prompts: list[list[int]], cfg: RolloutConfig, *, seed: int, stop_token_ids: list[int]
+        self,
+        prompts: list[list[int]],
+        cfg: RolloutConfig,
+        *,
+        seed: int,
+        stop_token_ids: list[int],
+        on_group: Callable[[int, list[Any]], None] | None = None,
     ) -> list[list[Any]]:
-        """cfg.samples_per_prompt completions of each prompt, grouped by prompt."""
+        """cfg.samples_per_prompt completions of each prompt, grouped by prompt.
+
+        ``on_group(prompt_index, group)`` is called with each group as soon as its last
+        sample is done (on the runtime's event loop thread: it must not block)."""
         from megatron_grpo.rollout.types import RolloutRequest, SamplingParams
 
         request = RolloutRequest(
@@ -133,7 +142,7 @@ class RolloutRuntime:
             raise RolloutStoppedError("the rollout engines' generation was stopped")
         self._drop_silent_engines("before a rollout")
         try:  # interrupted (Ctrl-C), the generation is cancelled: that aborts what is in flight
-            flat = self.io.run(self.client.generate(request))
+            flat = self.io.run(self.client.generate(request, _grouped(on_group, cfg)))
         finally:
             # Whatever ended it, the aborts it asked for reach the servers before we go on.
             self.io.run(self.client.settle())
@@ -417,3 +426,20 @@ def _launch_embedded(cfg: RolloutConfig, model_cfg: ModelConfig, *, seed: int):
         )
     finally:
         shutil.rmtree(model_dir, ignore_errors=True)  # read once the servers answer
+
+
+def _grouped(
+    on_group: Callable[[int, list[Any]], None] | None, cfg: RolloutConfig
+) -> Callable[[Any], None] | None:
+    """A per-sample callback that calls ``on_group`` once a prompt's samples are all done."""
+    if on_group is None:
+        return None
+    pending: dict[int, list[Any]] = {}
+
+    def on_sample(gen: Any) -> None:
+        group = pending.setdefault(gen.prompt_index, [None] * cfg.samples_per_prompt)
+        group[gen.sample_index] = gen
+        if all(g is not None for g in group):
+            on_group(gen.prompt_index, pending.pop(gen.prompt_index))
+
+    return on_sample

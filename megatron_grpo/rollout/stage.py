@@ -21,6 +21,8 @@ import torch
 from megatron_grpo.algo.advantages import fill_batch, group_advantages, has_spread
 from megatron_grpo.algo.batch import Sample
 from megatron_grpo.config import AdvantageConfig, RolloutConfig
+from megatron_grpo.rewards import ScoreResult
+from megatron_grpo.rollout.scoring import GroupScoring
 
 
 @dataclass
@@ -116,6 +118,37 @@ def staleness_stats(generations: list[list[Any]], step: int) -> dict[str, float]
     }
 
 
+def _generate_and_score(
+    items: list[Any],
+    runtime,
+    scorer,
+    tokenizer,
+    cfg: RolloutConfig,
+    *,
+    seed: int,
+    stop_token_ids: list[int],
+) -> tuple[list[list[Any]], ScoreResult]:
+    """The groups of ``items``' prompts and their rewards: each group scored as soon as it
+    is generated when the reward runs outside this thread, else all after generation."""
+    prompts = [it.prompt_ids for it in items]
+    labels = [it.label for it in items]
+    metas = [it.metadata for it in items]
+    if scorer.runs_elsewhere:
+        with GroupScoring(scorer, tokenizer, labels, metas) as scoring:
+            groups = runtime.generate_groups(
+                prompts, cfg, seed=seed, stop_token_ids=stop_token_ids, on_group=scoring.submit
+            )
+            return groups, scoring.result(cfg.samples_per_prompt)
+    groups = runtime.generate_groups(prompts, cfg, seed=seed, stop_token_ids=stop_token_ids)
+    texts = [
+        tokenizer.decode(list(s.output_ids), skip_special_tokens=True) for g in groups for s in g
+    ]
+    n = cfg.samples_per_prompt
+    return groups, scorer.score(
+        texts, [x for x in labels for _ in range(n)], [m for m in metas for _ in range(n)]
+    )
+
+
 def collect(
     step: int,
     *,
@@ -142,17 +175,9 @@ def collect(
         need = cfg.prompts_per_step - len(kept_gens)
         items = sampler.next_batch(need if adv_cfg.dynamic_sampling else cfg.prompts_per_step)
         round_seed = seed + 1_000_003 * step + 10_007 * rounds
-        groups = runtime.generate_groups(
-            [it.prompt_ids for it in items], cfg, seed=round_seed, stop_token_ids=stop_token_ids
+        groups, scored = _generate_and_score(
+            items, runtime, scorer, tokenizer, cfg, seed=round_seed, stop_token_ids=stop_token_ids
         )
-        texts = [
-            tokenizer.decode(list(s.output_ids), skip_special_tokens=True)
-            for grp in groups
-            for s in grp
-        ]
-        labels = [it.label for it in items for _ in range(cfg.samples_per_prompt)]
-        metas = [it.metadata for it in items for _ in range(cfg.samples_per_prompt)]
-        scored = scorer.score(texts, labels, metas)
         reward_errors += scored.num_errors
         rewards = torch.tensor(scored.rewards, dtype=torch.float64).view(len(items), -1)
         all_rewards += scored.rewards

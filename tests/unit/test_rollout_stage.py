@@ -1,6 +1,7 @@
 """The main rank's rollout step with a scripted engine: dynamic sampling, samples, dump/replay."""
 
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 
 import pytest
 import torch
@@ -42,19 +43,27 @@ class Gen:
 class Runtime:
     """Prompt p answers its own label when it is even; odd prompts answer half right."""
 
-    def generate_groups(self, prompts, cfg, *, seed, stop_token_ids):
-        return [
-            [
-                Gen(
-                    tuple(p),
-                    (7, 8, 9)[: 1 + k % 3],
-                    (-0.5,) * (1 + k % 3),
-                    Finish("length" if k == 0 else "stop"),
-                )
-                for k in range(cfg.samples_per_prompt)
-            ]
-            for p in prompts
-        ]
+    def generate_groups(self, prompts, cfg, *, seed, stop_token_ids, on_group=None):
+        groups = []
+        for i, p in enumerate(prompts):
+            groups.append(
+                [
+                    Gen(
+                        tuple(p),
+                        (7, 8, 9)[: 1 + k % 3],
+                        (-0.5,) * (1 + k % 3),
+                        Finish("length" if k == 0 else "stop"),
+                    )
+                    for k in range(cfg.samples_per_prompt)
+                ]
+            )
+            if on_group is not None:
+                on_group(i, groups[-1])
+                self.after_group(i)
+        return groups
+
+    def after_group(self, index):
+        pass
 
 
 class Tokenizer:
@@ -66,23 +75,27 @@ class Tokenizer:
 class Scored:
     rewards: list
     num_errors: int = 0
+    errors: list = field(default_factory=list)
 
 
 class Scorer:
     """Reward 1 for responses of length 1 in prompts whose id is even; flat groups otherwise."""
 
-    def __init__(self):
+    def __init__(self, runs_elsewhere=False):
         self.calls = 0
+        self.runs_elsewhere = runs_elsewhere
+        self.scored = threading.Event()
 
     def score(self, texts, labels, metas):
         self.calls += 1
+        self.scored.set()
         out = []
         for t, label in zip(texts, labels):
             out.append(1.0 if int(label) % 2 == 0 and t == "1" else 0.0)
         return Scored(out)
 
 
-def run(dynamic, prompts=4, samples=3, rounds=4, mask_truncated=False):
+def run(dynamic, prompts=4, samples=3, rounds=4, mask_truncated=False, **fakes):
     cfg = RolloutConfig(
         prompts_per_step=prompts, samples_per_prompt=samples, mask_truncated=mask_truncated
     )
@@ -90,8 +103,8 @@ def run(dynamic, prompts=4, samples=3, rounds=4, mask_truncated=False):
     return collect(
         1,
         sampler=Sampler(),
-        runtime=Runtime(),
-        scorer=Scorer(),
+        runtime=fakes.get("runtime", Runtime()),
+        scorer=fakes.get("scorer", Scorer()),
         tokenizer=Tokenizer(),
         cfg=cfg,
         adv_cfg=adv,
@@ -162,3 +175,24 @@ def test_length_by_advantage_splits_better_and_worse_than_the_group():
     stats = length_by_advantage([gens(2, 10, 20), gens(7, 7, 7)], advantages)
     assert stats == {"response_length_pos_adv_mean": 2.0, "response_length_neg_adv_mean": 15.0}
     assert length_by_advantage([gens(7, 7, 7)], torch.zeros(1, 3)) == {}  # flat: no side
+
+
+def test_groups_are_scored_while_the_others_are_generated():
+    """A reward that runs elsewhere scores each group once it is generated: the first
+    group's rewards are being computed before the second group exists."""
+    scorer = Scorer(runs_elsewhere=True)
+    waited = []
+
+    class Slow(Runtime):
+        def after_group(self, index):
+            if index == 0:
+                waited.append(scorer.scored.wait(timeout=10))
+
+    batch = run(dynamic=True, runtime=Slow(), scorer=scorer)
+    assert waited and all(waited) and scorer.calls > 1  # one call per group
+    inline = run(dynamic=True)
+    assert batch.stats == {
+        **inline.stats,
+        "generated_tokens_per_s": batch.stats["generated_tokens_per_s"],
+    }
+    assert [x.advantage for x in batch.samples] == [x.advantage for x in inline.samples]
