@@ -95,6 +95,11 @@ def grpo_loss(
     old_logp = batch.old_logprobs
     if old_logp is None:  # on-policy single pass: the ratio is 1 with the right gradient
         old_logp = logp.detach()
+    learner_old = old_logp
+    if cfg.old_logprobs == "rollout":
+        if batch.rollout_logprobs is None:
+            raise ValueError("loss.old_logprobs=rollout needs the samples' rollout log-probs")
+        old_logp = batch.rollout_logprobs
     log_ratio = logp - old_logp
     if cfg.ratio_level == "sequence":
         log_ratio = policy_loss.gspo_log_ratio(log_ratio, mask, seg, num_seqs)
@@ -109,10 +114,10 @@ def grpo_loss(
     mismatch, rejected = zeros, zeros
     rollout_logp = batch.rollout_logprobs
     if rollout_logp is not None:
-        mismatch = policy_loss.mismatch(old_logp, rollout_logp, mask)
+        mismatch = policy_loss.mismatch(learner_old, rollout_logp, mask)
         if cfg.tis_level is not None:
             is_weights, rejected = policy_loss.importance_weights(
-                old_logp,
+                learner_old,
                 rollout_logp,
                 mask,
                 seg,

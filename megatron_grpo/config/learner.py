@@ -107,6 +107,10 @@ class LossConfig:
     """KL estimator (k3 is the low-variance one)."""
     entropy_coef: float = 0.0
     """Coefficient of the entropy bonus (subtracted from the loss)."""
+    old_logprobs: Literal["learner", "rollout"] = "learner"
+    """The old policy of the PPO ratio: the learner's log-probs before the step, or the
+    rollout engine's (the policy that generated the samples: with rollout.max_staleness
+    >= 1 the ratio and its clipping are then taken against that older policy)."""
     tis_level: Literal["token", "sequence"] | None = None
     """Truncated importance sampling against the rollout engine's log-probs; None disables."""
     tis_mode: Literal["truncate", "mask"] = "truncate"
@@ -122,6 +126,11 @@ class LossConfig:
             raise ValueError(
                 f"loss.eps_clip_low must be in [0, 1) and loss.eps_clip_high >= 0, "
                 f"got {self.eps_clip_low}, {self.eps_clip_high}"
+            )
+        if self.old_logprobs == "rollout" and self.tis_level is not None:
+            raise ValueError(
+                "loss.tis_level corrects the learner's old log-probs toward the engine's; with "
+                "loss.old_logprobs=rollout the ratio is already taken against the engine's"
             )
         if self.dual_clip is not None and self.dual_clip <= 1:
             raise ValueError(f"loss.dual_clip must be > 1, got {self.dual_clip}")

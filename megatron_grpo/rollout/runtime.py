@@ -24,10 +24,12 @@ push can replace them).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import shutil
 import tempfile
+import threading
 from collections.abc import Callable, Coroutine, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -66,10 +68,12 @@ class RolloutRuntime:
         self.model_cfg = model_cfg
         self.server = None
         self.servers = None
+        self._model_dir: str | None = None
         if cfg.embedded_process:
             if model_cfg is None:
                 raise ValueError("embedded server processes need the policy's model config")
-            self.servers = _launch_embedded(cfg, model_cfg, seed=seed)
+            # The model directory stays until close(): an engine that exits starts again.
+            self.servers, self._model_dir = _launch_embedded(cfg, model_cfg, seed=seed)
             generate_urls = weight_urls = self.servers.urls
         elif cfg.engine == "embedded":
             if hf_model is None:
@@ -102,6 +106,9 @@ class RolloutRuntime:
             self._stop_engines()
             raise
         self._stopped = False
+        # The engines in use change from the thread that generates (dropping silent ones)
+        # and from the one that pushes weights (taking them back).
+        self._engines = threading.RLock()
         self.dropped: list[str] = []
         """Engines out of use since they stopped answering."""
         self.sender = StageSender(
@@ -172,6 +179,7 @@ class RolloutRuntime:
         senders send; engines that answer again are taken back first."""
         import socket
 
+        from megatron_grpo.rollout.errors import RolloutError
         from megatron_grpo.rollout.stage_sender import SyncPlan
 
         self._take_back_engines()
@@ -180,7 +188,11 @@ class RolloutRuntime:
         if self.cfg.sync_method == "disk":
             disk_dir = tempfile.mkdtemp(prefix="mgrpo_weights_", dir=self.cfg.sync_disk_dir)
 
-        async def begin() -> None:
+        async def begin(again: bool) -> None:
+            if again and self.cfg.sync_method != "disk":
+                # Some engines may have opened their update session before another failed.
+                with contextlib.suppress(RolloutError):
+                    await client.end_weight_update()
             # Samples generating now are aborted with their tokens so far and sent again
             # once the update is done (SGLangClient.hold_generation): each token is
             # generated whole by one weight version.
@@ -261,18 +273,20 @@ class RolloutRuntime:
             "weight version %s checked on %d engine(s)", plan.weight_version, len(plan.urls)
         )
 
-    def _run_or_drop(self, call: Callable[[], Coroutine[Any, Any, None]], why: str) -> None:
-        """Run ``call()`` (control calls to every engine in use); on failure drop the engines
-        that no longer answer and run it again on the others."""
+    def _run_or_drop(self, call: Callable[[bool], Coroutine[Any, Any, None]], why: str) -> None:
+        """Run ``call(again=False)`` (control calls to every engine in use); on failure drop
+        the engines that no longer answer and run ``call(again=True)`` on the others."""
         from megatron_grpo.rollout.errors import RolloutError
 
+        again = False
         while True:
             try:
-                self.io.run(call())
+                self.io.run(call(again))
                 return
             except RolloutError as err:
                 if not self._drop_silent_engines(f"{why} failed: {err}", wait=True):
                     raise
+                again = True
 
     # ---- engines that stop answering ----
 
@@ -286,10 +300,14 @@ class RolloutRuntime:
 
         When none is left: with ``wait`` (a push, which can give a returning engine the
         weights), wait up to ``server_startup_timeout_s`` for one to answer; else stop."""
-        from megatron_grpo.rollout.errors import ServerUnavailableError
-
         if self.servers is None:  # the embedded server lives and dies with this process
             return []
+        with self._engines:
+            return self._drop_silent(why, wait=wait)
+
+    def _drop_silent(self, why: str, *, wait: bool) -> list[str]:
+        from megatron_grpo.rollout.errors import ServerUnavailableError
+
         silent = [u for u in self.weight_client.urls if not self._answers(u)]
         if not silent:
             return []
@@ -330,14 +348,19 @@ class RolloutRuntime:
         return []
 
     def _take_back_engines(self) -> None:
-        """Use again the dropped engines that answer ``/health`` (the push to come gives them
-        the current weights)."""
-        back = [u for u in self.dropped if self._answers(u)]
-        if not back:
+        """Start again the engines started here whose process exited, and use again the
+        dropped engines that answer ``/health`` (the push to come gives them the current
+        weights)."""
+        if self.servers is None:
             return
-        logger.warning("taking back rollout engine(s) %s, which answer again", ", ".join(back))
-        self.dropped = [u for u in self.dropped if u not in back]
-        self._use([*self.weight_client.urls, *back])
+        with self._engines:
+            self.servers.restart_exited()
+            back = [u for u in self.dropped if self._answers(u)]
+            if not back:
+                return
+            logger.warning("taking back rollout engine(s) %s, which answer again", ", ".join(back))
+            self.dropped = [u for u in self.dropped if u not in back]
+            self._use([*self.weight_client.urls, *back])
 
     def _use(self, urls: list[str]) -> None:
         # Generation too, unless a router stands in front of the engines (it routes around
@@ -358,6 +381,8 @@ class RolloutRuntime:
             self.server.stop()
         if self.servers is not None:
             self.servers.stop()
+        if self._model_dir is not None:
+            shutil.rmtree(self._model_dir, ignore_errors=True)
 
 
 def client_config(cfg: RolloutConfig, urls: tuple[str, ...]) -> ClientConfig:
@@ -399,7 +424,7 @@ def _start_or_attach(cfg: RolloutConfig, model_path: str | None):
 def _launch_embedded(cfg: RolloutConfig, model_cfg: ModelConfig, *, seed: int):
     """``cfg.num_servers`` embedded servers in processes of their own, started as launched
     SGLang servers are, from the policy's config with random weights (the first push
-    gives them the policy's)."""
+    gives them the policy's); and the directory of that config."""
     import sys
 
     from megatron_grpo.convert.hf_config import hf_config_from_model_config
@@ -423,9 +448,10 @@ def _launch_embedded(cfg: RolloutConfig, model_cfg: ModelConfig, *, seed: int):
                 log_dir=cfg.server_log_dir or tempfile.mkdtemp(prefix="mgrpo_embedded_logs_"),
                 startup_timeout_s=cfg.server_startup_timeout_s,
             )
-        )
-    finally:
-        shutil.rmtree(model_dir, ignore_errors=True)  # read once the servers answer
+        ), model_dir
+    except BaseException:
+        shutil.rmtree(model_dir, ignore_errors=True)
+        raise
 
 
 def _grouped(

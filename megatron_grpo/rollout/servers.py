@@ -298,6 +298,36 @@ class ServerGroup:
     """Where generation goes when set (the router spreads it over ``urls``)."""
     processes: list[ServerProcess] = field(default_factory=list)
     stop_grace_s: float = 30.0
+    launch: LaunchConfig | None = None
+    """How the servers were started (None: attached), to start again one that exited."""
+
+    def restart_exited(self) -> list[str]:
+        """Start again, on its port, every started server whose process exited; wait until
+        each generates (and is back in the router). Their URLs."""
+        exited = [p for p in self.processes if p.process.poll() is not None]
+        if not exited or self.launch is None:
+            return []
+        for server in exited:
+            logger.warning(
+                "rollout server %d (%s) exited with code %s; starting it again. Last lines "
+                "of %s:\n%s",
+                server.index,
+                server.url,
+                server.process.returncode,
+                server.log_path,
+                server.log_tail(10),
+            )
+            port = int(server.url.rsplit(":", 1)[1])
+            self.processes[self.processes.index(server)] = _start_one(
+                self.launch, server.index, port
+            )
+        indices = {s.index for s in exited}
+        again = [p for p in self.processes if p.index in indices]
+        _wait_ready(again, self.launch.startup_timeout_s)
+        if self.router_url:
+            urls = [p.url for p in again]
+            register_with_router(self.router_url, urls, timeout_s=self.launch.startup_timeout_s)
+        return [p.url for p in again]
 
     @property
     def generate_urls(self) -> tuple[str, ...]:
@@ -327,7 +357,9 @@ def launch_servers(cfg: LaunchConfig) -> ServerGroup:
     """Start the servers, wait until each generates, register them with the router if any."""
     Path(cfg.log_dir).mkdir(parents=True, exist_ok=True)
     ports = cfg.ports or tuple(_free_port() for _ in range(cfg.num_servers))
-    group = ServerGroup(urls=(), router_url=cfg.router_url, stop_grace_s=cfg.stop_grace_s)
+    group = ServerGroup(
+        urls=(), router_url=cfg.router_url, stop_grace_s=cfg.stop_grace_s, launch=cfg
+    )
     try:
         for index, port in enumerate(ports):
             group.processes.append(_start_one(cfg, index, port))

@@ -236,7 +236,10 @@ def train_on_rollout(
         plan_micro_batches(b, ctx, settings)
         for b in global_batches(samples, settings.global_batch_size)
     ]
-    freeze_old = settings.num_iterations > 1 or len(batches) > 1
+    # The learner's own old log-probs, unless the ratio is taken against the engine's.
+    freeze_old = loss_cfg.old_logprobs == "learner" and (
+        settings.num_iterations > 1 or len(batches) > 1
+    )
     for mbs in batches:
         prepare_global_batch(
             model, ctx, mbs, loss_cfg, settings, freeze_old=freeze_old, ref_model=ref_model

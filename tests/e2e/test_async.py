@@ -4,8 +4,11 @@ staleness bound at k >= 1, and what a resumed asynchronous run generates."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -62,3 +65,73 @@ def test_staleness_stays_within_k_and_a_resumed_run_draws_the_same_prompts(tmp_p
     assert [row["step"] for row in resumed] == [3, 4, 5]
     for step in (3, 4, 5):
         assert prompts(cut / "dump", step) == prompts(full / "dump", step)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid``, from /proc."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(stat.parent.name)] = int(fields[1])
+    out, frontier = [], [pid]
+    while frontier:
+        children = [p for p, parent in parents.items() if parent in frontier]
+        out += children
+        frontier = children
+    return out
+
+
+def engine_pids(trainer: subprocess.Popen) -> list[int]:
+    """The trainer's embedded server processes, in the order they were started."""
+    found = []
+    for pid in descendants(trainer.pid):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"megatron_grpo.rollout.embedded" in argv:
+            found.append(pid)
+    return sorted(found)
+
+
+def test_a_killed_engine_is_dropped_and_started_again(tmp_path, assets):
+    """kill -9 of one of two embedded server processes mid-run: generation goes on with the
+    other, the next weight push starts the dead one again and gives it the weights."""
+    logs = tmp_path / "engine_logs"
+    overrides = (
+        *ONE_PROCESS,
+        *ASYNC,
+        "rollout.max_staleness=1",
+        "rollout.num_servers=2",
+        f"rollout.server_log_dir={logs}",
+        "train.total_steps=8",
+        "train.save_interval=0",
+    )
+    argv = demo_argv(tmp_path / "run", assets, *overrides, nproc=1)
+    trainer = subprocess.Popen(
+        argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        metrics = tmp_path / "run" / "metrics.jsonl"
+        deadline = time.monotonic() + 240
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+            assert trainer.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        victim = engine_pids(trainer)[0]
+        os.kill(victim, signal.SIGKILL)
+        out, _ = trainer.communicate(timeout=240)
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+    assert trainer.returncode == 0, out[-5000:]
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == list(
+        range(1, 9)
+    )
+    assert "exited with code -9; starting it again" in out
+    started = [
+        line for line in (logs / "server_0.log").read_text().splitlines() if line[:2] == "$ "
+    ]
+    assert len(started) == 2

@@ -322,3 +322,29 @@ def test_moe_layout_refusals_are_named_when_the_config_is_built():
         with pytest.raises(ValueError, match=re.escape(message)):
             load_config(None, overrides)
     load_config(None, [*MOE, "parallel.tp=2", "train.recompute_granularity=full"])  # no aux loss
+
+
+def test_asynchronous_rl_options_and_their_refusals_are_named():
+    cfg = load_config(None, ["rollout.max_staleness=2", "reward.num_workers=1"])
+    assert cfg.rollout.embedded_process  # auto: generation beside training
+    assert not load_config(None, []).rollout.embedded_process
+    thread = ["rollout.max_staleness=1", "reward.num_workers=1", "rollout.embedded_server=thread"]
+    assert not load_config(None, thread).rollout.embedded_process
+    cases = {
+        "rollout.max_staleness must be >= 0, got -1": ["rollout.max_staleness=-1"],
+        "where the math reward's time limit (signal.alarm) cannot run: set reward.num_workers": [
+            "rollout.max_staleness=1"
+        ],
+        "rollout.embedded_server is for rollout.engine=embedded": [
+            "rollout.engine=sglang",
+            "rollout.urls=[http://127.0.0.1:1]",
+            "rollout.embedded_server=process",
+        ],
+        "with loss.old_logprobs=rollout the ratio is already taken against the engine's": [
+            "loss.old_logprobs=rollout",
+            "loss.tis_level=token",
+        ],
+    }
+    for message, overrides in cases.items():
+        with pytest.raises(ValueError, match=re.escape(message)):
+            load_config(None, overrides)

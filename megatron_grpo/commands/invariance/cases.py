@@ -180,9 +180,21 @@ def default_loss(mode: str) -> LossConfig:
     """Every term switched on, so that each one is checked under the mode's weights.
 
     Two of the modes use the sequence-level options (GSPO ratio, sequence-level
-    masked importance sampling) so that those paths are checked too.
+    masked importance sampling) and one takes its ratio against the rollout's log-probs
+    (``old_logprobs=rollout``, no importance sampling then) so that those paths are
+    checked too.
     """
     sequence_level = mode in ("seq-mean-token-mean", "group-token-mean")
+    if mode == "seq-mean-token-sum-norm":
+        return LossConfig(
+            mode="seq-mean-token-sum-norm",
+            eps_clip_low=0.2,
+            eps_clip_high=0.28,
+            dual_clip=3.0,
+            kl_coef=0.1,
+            entropy_coef=0.01,
+            old_logprobs="rollout",
+        )
     return LossConfig(
         mode=mode,  # type: ignore[arg-type]  # checked by LossConfig
         eps_clip_low=0.2,

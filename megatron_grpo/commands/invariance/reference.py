@@ -63,7 +63,7 @@ def _sample_loss(
     m = s.loss_mask[1:].float()
     assert s.rollout_logprobs is not None
     rollout = s.rollout_logprobs[1:].float()
-    log_ratio = logp - logp.detach()
+    log_ratio = logp - (rollout if cfg.old_logprobs == "rollout" else logp.detach())
     if cfg.ratio_level == "sequence":  # GSPO: the sequence's mean log-ratio on every token
         mean = (log_ratio * m).sum() / m.sum().clamp(min=1)
         log_ratio = mean.detach() + log_ratio - log_ratio.detach()
