@@ -65,11 +65,12 @@ def _train(cfg: Config, ctx) -> None:
         train_state.remove_partial_saves(out)  # this run holds the directory's lock
         (out / "config.yaml").write_text(dump_config(cfg))
         print(dump_config(cfg), flush=True)
-        if cfg.rollout.max_staleness and cfg.loss.tis_level is None:
+        corrected = cfg.loss.tis_level is not None or cfg.loss.old_logprobs == "rollout"
+        if cfg.rollout.max_staleness and not corrected:
             print(
-                "megatron-grpo: warning: rollout.max_staleness >= 1 without loss.tis_level: "
-                "the loss does not correct for the older policies that generated the samples "
-                "(docs/async.md)",
+                "megatron-grpo: warning: rollout.max_staleness >= 1 without loss.tis_level "
+                "or loss.old_logprobs=rollout: the loss does not correct for the older "
+                "policies that generated the samples (docs/async.md)",
                 flush=True,
             )
     model, optimizer, scheduler, ref_model = _learner(cfg, ctx)

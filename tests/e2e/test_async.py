@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from demo_run import ROOT, demo_argv
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(600)]
 
 FIXTURE = ROOT / "tests" / "fixtures" / "sync_metrics.jsonl"
 ONE_PROCESS = ("parallel.pp=1",)
@@ -43,28 +43,6 @@ def prompts(dump: Path, step: int) -> list[list[int]]:
         row = json.loads(line)
         out.append(row["tokens"][: row["loss_mask"].index(1.0)])
     return out
-
-
-def test_staleness_stays_within_k_and_a_resumed_run_draws_the_same_prompts(tmp_path, assets):
-    k = 2
-    common = (*ASYNC, f"rollout.max_staleness={k}", "train.save_interval=2", "train.keep_last=3")
-    full = tmp_path / "full"
-    rows = train(full, assets, *common, "train.total_steps=5", f"rollout.dump_dir={full}/dump")
-    ages = [row["rollout/staleness_max"] for row in rows]
-    assert max(ages) <= k and ages[0] == 0  # step 1 trains the initial policy's rollout
-    assert max(ages) == k  # the producer ran ahead as far as it may
-    assert all(0 <= row["rollout/staleness_mean"] <= k for row in rows)
-
-    # Resumed from the checkpoint of step 2, saved while the producer was ahead (it had
-    # made step 3's batch, and more): the resumed run draws step 3's prompts again.
-    cut = tmp_path / "cut"
-    saved = "step_00000002"
-    shutil.copytree(full / "checkpoints" / saved, cut / "checkpoints" / saved)
-    (cut / "checkpoints" / "latest").write_text(saved)
-    resumed = train(cut, assets, *common, "train.total_steps=5", f"rollout.dump_dir={cut}/dump")
-    assert [row["step"] for row in resumed] == [3, 4, 5]
-    for step in (3, 4, 5):
-        assert prompts(cut / "dump", step) == prompts(full / "dump", step)
 
 
 def descendants(pid: int) -> list[int]:
@@ -97,41 +75,58 @@ def engine_pids(trainer: subprocess.Popen) -> list[int]:
     return sorted(found)
 
 
-def test_a_killed_engine_is_dropped_and_started_again(tmp_path, assets):
-    """kill -9 of one of two embedded server processes mid-run: generation goes on with the
-    other, the next weight push starts the dead one again and gives it the weights."""
-    logs = tmp_path / "engine_logs"
-    overrides = (
-        *ONE_PROCESS,
-        *ASYNC,
-        "rollout.max_staleness=1",
-        "rollout.num_servers=2",
-        f"rollout.server_log_dir={logs}",
-        "train.total_steps=8",
-        "train.save_interval=0",
-    )
-    argv = demo_argv(tmp_path / "run", assets, *overrides, nproc=1)
+def train_killing_an_engine(out: Path, assets: Path, *overrides: str) -> tuple[list[dict], str]:
+    """A run with two embedded server processes, the first killed (kill -9) once step 2 is
+    logged: its metrics and its output."""
+    argv = demo_argv(out, assets, *ONE_PROCESS, "rollout.num_servers=2", *overrides, nproc=1)
     trainer = subprocess.Popen(
         argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     try:
-        metrics = tmp_path / "run" / "metrics.jsonl"
+        metrics = out / "metrics.jsonl"
         deadline = time.monotonic() + 240
         while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
             assert trainer.poll() is None and time.monotonic() < deadline
             time.sleep(0.2)
-        victim = engine_pids(trainer)[0]
-        os.kill(victim, signal.SIGKILL)
-        out, _ = trainer.communicate(timeout=240)
+        os.kill(engine_pids(trainer)[0], signal.SIGKILL)
+        output, _ = trainer.communicate(timeout=240)
     finally:
         if trainer.poll() is None:
             trainer.kill()
-    assert trainer.returncode == 0, out[-5000:]
-    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == list(
-        range(1, 9)
+    assert trainer.returncode == 0, output[-5000:]
+    return [json.loads(line) for line in metrics.read_text().splitlines()], output
+
+
+def test_staleness_within_k_a_killed_engine_started_again_and_resume(tmp_path, assets):
+    """max_staleness 2 on two embedded server processes, one killed mid-run: no sample is
+    more than 2 versions old, and some are; generation goes on with the other engine and
+    the next push starts the dead one again; a run resumed from a checkpoint saved while
+    the producer was ahead draws the same prompts for the later steps."""
+    k = 2
+    common = (*ASYNC, f"rollout.max_staleness={k}", "train.save_interval=2", "train.keep_last=3")
+    full, logs = tmp_path / "full", tmp_path / "engine_logs"
+    rows, output = train_killing_an_engine(
+        full,
+        assets,
+        *common,
+        "train.total_steps=6",
+        f"rollout.dump_dir={full}/dump",
+        f"rollout.server_log_dir={logs}",
     )
-    assert "exited with code -9; starting it again" in out
-    started = [
-        line for line in (logs / "server_0.log").read_text().splitlines() if line[:2] == "$ "
-    ]
-    assert len(started) == 2
+    assert [row["step"] for row in rows] == list(range(1, 7))
+    ages = [row["rollout/staleness_max"] for row in rows]
+    assert max(ages) <= k and ages[0] == 0  # step 1 trains the initial policy's rollout
+    assert max(ages) == k  # the producer ran ahead as far as it may
+    assert all(0 <= row["rollout/staleness_mean"] <= k for row in rows)
+    assert "exited with code -9; starting it again" in output
+    log = (logs / "server_0.log").read_text().splitlines()
+    assert len([line for line in log if line.startswith("$ ")]) == 2  # started twice
+
+    cut = tmp_path / "cut"
+    saved = "step_00000002"
+    shutil.copytree(full / "checkpoints" / saved, cut / "checkpoints" / saved)
+    (cut / "checkpoints" / "latest").write_text(saved)
+    resumed = train(cut, assets, *common, "train.total_steps=6", f"rollout.dump_dir={cut}/dump")
+    assert [row["step"] for row in resumed] == [3, 4, 5, 6]
+    for step in (3, 4, 5, 6):
+        assert prompts(cut / "dump", step) == prompts(full / "dump", step)

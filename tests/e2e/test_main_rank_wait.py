@@ -53,14 +53,14 @@ def slow_run(tmp_path: Path, assets: Path, timeout_s: int, per_sample_s: float, 
 
 
 def test_a_rollout_three_times_the_collective_timeout_completes(tmp_path, assets):
-    # 16 samples x 1.5 s: each rollout takes about 24 s, the collectives' limit is 8 s.
+    # 16 samples x 1.5 s: the rollout takes about 24 s, the collectives' limit is 8 s.
     run_dir = tmp_path
-    argv, env = slow_run(run_dir, assets, 8, 1.5, "train.total_steps=2")
+    argv, env = slow_run(run_dir, assets, 8, 1.5, "train.total_steps=1")
     start = time.monotonic()
     done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert logged_steps(run_dir / "run") == [1, 2]
-    assert time.monotonic() - start > 2 * 16 * 1.5  # the rollouts really were that long
+    assert logged_steps(run_dir / "run") == [1]
+    assert time.monotonic() - start > 16 * 1.5  # the rollout really was that long
 
 
 def test_a_frozen_main_rank_is_reported(tmp_path, assets):

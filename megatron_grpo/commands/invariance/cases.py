@@ -184,26 +184,21 @@ def default_loss(mode: str) -> LossConfig:
     (``old_logprobs=rollout``, no importance sampling then) so that those paths are
     checked too.
     """
-    sequence_level = mode in ("seq-mean-token-mean", "group-token-mean")
-    if mode == "seq-mean-token-sum-norm":
-        return LossConfig(
-            mode="seq-mean-token-sum-norm",
-            eps_clip_low=0.2,
-            eps_clip_high=0.28,
-            dual_clip=3.0,
-            kl_coef=0.1,
-            entropy_coef=0.01,
-            old_logprobs="rollout",
-        )
-    return LossConfig(
+    every_term = LossConfig(
         mode=mode,  # type: ignore[arg-type]  # checked by LossConfig
         eps_clip_low=0.2,
         eps_clip_high=0.28,
         dual_clip=3.0,
-        ratio_level="sequence" if sequence_level else "token",
         kl_coef=0.1,
         kl_estimator="k3",
         entropy_coef=0.01,
+    )
+    if mode == "seq-mean-token-sum-norm":
+        return dataclasses.replace(every_term, old_logprobs="rollout")
+    sequence_level = mode in ("seq-mean-token-mean", "group-token-mean")
+    return dataclasses.replace(
+        every_term,
+        ratio_level="sequence" if sequence_level else "token",
         tis_level="sequence" if sequence_level else "token",
         tis_mode="mask" if sequence_level else "truncate",
         tis_upper=4.0 if sequence_level else 1.5,
