@@ -29,7 +29,7 @@ import functools
 import logging
 import shutil
 import tempfile
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -134,6 +134,20 @@ class RolloutRuntime:
         for s in flat:
             groups[s.prompt_index][s.sample_index] = s
         return groups
+
+    def run_on_engines(self, work: Callable[[Any], Coroutine[Any, Any, Any]]) -> Any:
+        """``await work(client)`` on the runtime's event loop, as a rollout (a rollout hook's
+        episodes): silent engines dropped first, what is in flight aborted if interrupted."""
+        self._drop_silent_engines("before a rollout")
+        task = self.loop.create_task(work(self.client))
+        try:
+            return self.loop.run_until_complete(task)
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    self.loop.run_until_complete(task)
+            self.loop.run_until_complete(self.client.settle())
 
     def push_weights(self, named: Mapping[str, torch.Tensor], *, weight_version: str) -> None:
         """Send HF-named weights held by this process alone (one sender) to every engine."""

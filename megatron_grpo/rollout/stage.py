@@ -21,6 +21,7 @@ import torch
 from megatron_grpo.algo.advantages import fill_batch, group_advantages, has_spread
 from megatron_grpo.algo.batch import Sample
 from megatron_grpo.config import AdvantageConfig, RolloutConfig
+from megatron_grpo.rollout import hook as rollout_hook
 
 
 @dataclass
@@ -46,6 +47,8 @@ def _to_samples(
         for k, gen in enumerate(group):
             prompt, output = list(gen.prompt_ids), list(gen.output_ids)
             mask = [0.0] * len(prompt) + [1.0] * len(output)
+            if isinstance(gen, rollout_hook.Episode):  # tool output and the like: mask 0
+                mask = [0.0] * len(prompt) + list(gen.loss_mask)
             if mask_truncated and gen.finish_reason.type == "length":
                 mask = [0.0] * len(mask)
             out.append(
@@ -104,8 +107,10 @@ def collect(
     adv_cfg: AdvantageConfig,
     seed: int,
     stop_token_ids: list[int],
+    hook: rollout_hook.HookRunner | None = None,
 ) -> RolloutBatch:
-    """Generate, score and turn into training samples (main rank only)."""
+    """Generate (with ``hook``, one episode per sample), score and turn into training
+    samples (main rank only)."""
     start = time.perf_counter()
     kept_gens: list[list[Any]] = []
     kept_rewards: list[torch.Tensor] = []
@@ -115,20 +120,27 @@ def collect(
     all_rewards: list[float] = []
     lengths: list[int] = []
     truncated = 0
+    episode_metrics: list[dict[str, float]] = []
     while len(kept_gens) < cfg.prompts_per_step and rounds < adv_cfg.max_sampling_rounds:
         need = cfg.prompts_per_step - len(kept_gens)
         items = sampler.next_batch(need if adv_cfg.dynamic_sampling else cfg.prompts_per_step)
         round_seed = seed + 1_000_003 * step + 10_007 * rounds
-        groups = runtime.generate_groups(
-            [it.prompt_ids for it in items], cfg, seed=round_seed, stop_token_ids=stop_token_ids
-        )
-        texts = [
-            tokenizer.decode(list(s.output_ids), skip_special_tokens=True)
-            for grp in groups
+        if hook is None:
+            groups = runtime.generate_groups(
+                [it.prompt_ids for it in items], cfg, seed=round_seed, stop_token_ids=stop_token_ids
+            )
+        else:
+            groups = hook.generate_groups(
+                items, runtime, cfg, seed=round_seed, stop_token_ids=stop_token_ids
+            )
+            episode_metrics += [s.metrics for grp in groups for s in grp]
+        texts = [rollout_hook.response_text(s, tokenizer) for grp in groups for s in grp]
+        labels = [it.label for it in items for _ in range(cfg.samples_per_prompt)]
+        metas = [
+            rollout_hook.reward_metadata(s, it.metadata)
+            for it, grp in zip(items, groups)
             for s in grp
         ]
-        labels = [it.label for it in items for _ in range(cfg.samples_per_prompt)]
-        metas = [it.metadata for it in items for _ in range(cfg.samples_per_prompt)]
         scored = scorer.score(texts, labels, metas)
         reward_errors += scored.num_errors
         rewards = torch.tensor(scored.rewards, dtype=torch.float64).view(len(items), -1)
@@ -167,6 +179,7 @@ def collect(
         "groups_flat_kept": float(max(shortfall, 0)),
         "sampling_rounds": float(rounds),
         "generated_tokens_per_s": sum(lengths) / max(elapsed, 1e-9),
+        **(rollout_hook.episode_stats(episode_metrics) if episode_metrics else {}),
     }
     return RolloutBatch(samples, stats)
 
