@@ -92,6 +92,9 @@ def main() -> None:
     with (out / "train.jsonl").open("w") as f:
         for prompt, _, answer in rows:
             f.write(json.dumps({"prompt": prompt, "label": answer}) + "\n")
+    with (out / "eval.jsonl").open("w") as f:  # held out, for eval.datasets
+        for prompt, _, answer in problems(args.seed + 1, 64):
+            f.write(json.dumps({"prompt": prompt, "label": answer}) + "\n")
     tokenizer = tool_tokenizer(CORPUS, TAGS)
     model = tiny_qwen2_for(tokenizer, args.seed)
     warm_up(model, tokenizer, rows, steps=args.warmup_steps, tool_fraction=args.tool_fraction,

@@ -156,7 +156,9 @@ class EngineSession:
 Hook = Callable[[EpisodeInput, EngineSession], Awaitable[Episode]]
 
 
-def sampling_params(cfg: RolloutConfig, *, seed: int, stop_token_ids: Sequence[int]):
+def sampling_params(
+    cfg: RolloutConfig, *, seed: int, stop_token_ids: Sequence[int]
+) -> SamplingParams:
     """The run's sampling settings for one episode (its seed included)."""
     return SamplingParams(
         max_new_tokens=cfg.max_new_tokens,
@@ -191,9 +193,14 @@ class HookRunner:
         self.hook, self.name, self.tokenizer = hook, name, tokenizer
 
     def generate_groups(
-        self, items: Sequence[Any], runtime: Any, cfg: RolloutConfig, *, seed: int,
+        self,
+        items: Sequence[Any],
+        runtime: Any,
+        cfg: RolloutConfig,
+        *,
+        seed: int,
         stop_token_ids: Sequence[int],
-    ) -> list[list[Episode]]:  # fmt: skip
+    ) -> list[list[Episode]]:
         """``cfg.samples_per_prompt`` episodes of each item (``prompt_ids``, ``label``,
         ``metadata``), grouped by prompt."""
         n = cfg.samples_per_prompt
@@ -213,9 +220,15 @@ class HookRunner:
         return [flat[p * n : (p + 1) * n] for p in range(len(items))]
 
     async def _episode(
-        self, client: Any, item: Any, p: int, s: int, cfg: RolloutConfig, seed: int,
+        self,
+        client: Any,
+        item: Any,
+        p: int,
+        s: int,
+        cfg: RolloutConfig,
+        seed: int,
         stop_token_ids: Sequence[int],
-    ) -> Episode:  # fmt: skip
+    ) -> Episode:
         given = EpisodeInput(
             prompt_ids=tuple(item.prompt_ids),
             label=item.label,

@@ -217,3 +217,31 @@ def test_bad_hooks_are_named(tokenizer):
     two_tokens = ToolsConfig(call_end="</tool_call>")
     with pytest.raises(ValueError, match="rollout.tools.call_end='</tool_call>' must be a single"):
         ToolLoop(two_tokens, tokenizer)
+
+
+def test_evaluation_runs_the_hook_when_the_run_has_one(tokenizer, tmp_path):
+    """Held-out prompts go through the tool loop as the training samples do: of the two
+    samples, the one that calls the calculator is right (pass@1 1/2, pass@2 1)."""
+    from megatron_grpo.config import Config, from_dict
+    from megatron_grpo.eval.runner import Evaluator
+
+    (tmp_path / "eval.jsonl").write_text('{"prompt": "2+3=", "label": "5"}\n')
+    cfg = from_dict(Config, {
+        "rollout": {"max_new_tokens": 32},
+        "eval": {"datasets": [{"name": "sums", "path": str(tmp_path / "eval.jsonl")}],
+                 "samples_per_prompt": 2, "k": [1, 2]},
+    })  # fmt: skip
+
+    class Scorer:
+        def score(self, texts, labels, metas):
+            return type("S", (), {"rewards": [float(t == lb) for t, lb in zip(texts, labels)],
+                                  "num_errors": 0})()  # fmt: skip
+
+    evaluator = Evaluator(
+        cfg, runtime=Runtime(ScriptedClient(tokenizer)), scorer=Scorer(), tokenizer=tokenizer,
+        stop_token_ids=[tokenizer.eos_token_id],
+        hook=HookRunner(ToolLoop(TOOLS, tokenizer), "tools", tokenizer),
+    )  # fmt: skip
+    metrics = evaluator.run(0)
+    assert metrics["sums/pass@1"] == 0.5 and metrics["sums/pass@2"] == 1.0
+    assert metrics["sums/response_length_mean"] == (12 + 2) / 2
