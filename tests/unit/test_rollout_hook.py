@@ -34,8 +34,8 @@ class ScriptedClient:
     calls the calculator on 2+3, on an odd one it answers 4. Token i of a turn has
     log-prob -0.1 (i + 1). Honours max_new_tokens and stop tokens as an engine does."""
 
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer, call="calculator 2+3"):
+        self.tokenizer, self.call = tokenizer, call
         self.contexts = []
 
     async def generate(self, request):
@@ -45,7 +45,7 @@ class ScriptedClient:
         if text.endswith("</r>"):
             reply = "5"
         elif request.sampling.seed % 2 == 0:
-            reply = "<call>calculator 2+3</call>"
+            reply = f"<call>{self.call}</call>"
         else:
             reply = "4"
         ids = self.tokenizer.encode(reply, add_special_tokens=False) + [self.tokenizer.eos_token_id]
@@ -84,11 +84,11 @@ class Item:
     metadata: dict
 
 
-def episodes(tokenizer, *, tools=TOOLS, max_new_tokens=32, seed=0, n=2):
+def episodes(tokenizer, *, tools=TOOLS, max_new_tokens=32, seed=0, n=2, call="calculator 2+3"):
     cfg = RolloutConfig(prompts_per_step=1, samples_per_prompt=n, max_new_tokens=max_new_tokens)
     runner = HookRunner(ToolLoop(tools, tokenizer), "tools", tokenizer)
     item = Item(tokenizer.encode("2+3=", add_special_tokens=False), "5", {})
-    client = ScriptedClient(tokenizer)
+    client = ScriptedClient(tokenizer, call)
     groups = runner.generate_groups(
         [item], Runtime(client), cfg, seed=seed, stop_token_ids=[tokenizer.eos_token_id]
     )
@@ -141,6 +141,28 @@ def test_a_failing_tool_call_is_answered_with_its_error(tokenizer):
     (second,) = [c for c in client.contexts if len(c) > 4]
     shown = tokenizer.decode(list(second))
     assert shown.endswith("<r>error: unknown tool 'calculator' (tools: broken)</r>")
+
+
+@pytest.mark.parametrize(
+    "code, error",
+    [
+        ("while True: pass", "timed out after 1 s (the time limit)"),
+        ("open('/etc/hostname').read()",
+         "PermissionError: not allowed in the sandbox: open '/etc/hostname'"),
+    ],
+)  # fmt: skip
+def test_the_sandbox_refusing_code_is_the_tool_output_the_model_reads(code, error):
+    import string
+
+    words = ["<call>", "</call>", "<r>", "</r>", "python"]
+    tokenizer = tool_tokenizer([string.printable], words)
+    tools = ToolsConfig(**{**TOOLS.__dict__, "names": ["python"], "python_timeout_s": 1.0})
+    (called, _), client = episodes(
+        tokenizer, tools=tools, max_new_tokens=256, call=f"python {code}"
+    )
+    assert called.metrics == {"turns": 2, "tool_calls": 1, "tool_errors": 1}
+    (second,) = [c for c in client.contexts if len(c) > 4]
+    assert tokenizer.decode(list(second)).endswith(f"</call><r>error: {error}</r>")
 
 
 def broken(text):
