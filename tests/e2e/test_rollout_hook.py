@@ -16,7 +16,7 @@ from two_turn_hook import TOOL_TEXT
 
 from megatron_grpo.rollout.stage import replay
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(240)]
 
 HOOK = (
     "rollout.hook=two_turn_hook:two_turns",
@@ -28,7 +28,8 @@ HOOK = (
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, assets):
     out = tmp_path_factory.mktemp("hook")
-    args = demo_argv(out, assets, *HOOK, f"rollout.dump_dir={out / 'dump'}")
+    dump = f"rollout.dump_dir={out / 'dump'}"
+    args = demo_argv(out, assets, *HOOK, dump, "parallel.pp=1", nproc=1)
     here = str(Path(__file__).parent)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run(args, capture_output=True, text=True, timeout=360, cwd=ROOT, env=env)
