@@ -8,7 +8,8 @@ field, checked when built:
 - ``model``, ``parallel``: config/model.py; the model from a Hugging Face
   ``config.json``: config/hf.py
 - ``optim``, ``loss``, ``train``: config/learner.py
-- ``rollout``, ``data``, ``reward``, ``advantages``: config/rollout.py
+- ``rollout`` (with ``rollout.tools``), ``data``, ``reward``, ``advantages``:
+  config/rollout.py
 - ``eval``: config/eval.py
 - ``metrics`` and the run as a whole: here.
 """
@@ -37,6 +38,7 @@ from megatron_grpo.config.rollout import (
     RewardConfig,
     RewardType,
     RolloutConfig,
+    ToolsConfig,
 )
 
 __all__ = [
@@ -55,6 +57,7 @@ __all__ = [
     "RewardConfig",
     "RewardType",
     "RolloutConfig",
+    "ToolsConfig",
     "TrainConfig",
     "apply_override",
     "check_mode",

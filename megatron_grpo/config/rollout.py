@@ -13,6 +13,64 @@ Hugging Face dataset folder."""
 
 
 @dataclass(kw_only=True)
+class ToolsConfig:
+    """The built-in multi-turn tool loop (``rollout.hook: tools``, rollout/tools/loop.py).
+
+    The model calls a tool by writing ``call_start <body> call_end``; generation stops at
+    ``call_end`` (one token of the tokenizer), the tool runs, and its result, rendered by
+    ``result_template`` and tokenized alone, is appended with loss mask 0 before the model
+    goes on. ``rollout.max_new_tokens`` is the budget of everything after the prompt (the
+    model's turns and the tool results together)."""
+
+    names: list[str] = field(default_factory=lambda: ["calculator"])
+    """Tools the model may call: the built-ins ``calculator`` (arithmetic) and ``python`` (a
+    sandboxed Python process), or ``package.module:function`` (called by the function's
+    name; sync or ``async def``; returns the result as text, raises on an error)."""
+    max_turns: int = 4
+    """Most model turns per episode; a tool call in the last one ends the episode as cut
+    (finish type ``length``)."""
+    call_start: str = "<tool_call>"
+    """Text that opens a tool call."""
+    call_end: str = "</tool_call>"
+    """Text that closes a tool call: must be a single token (generation stops on it)."""
+    call_format: Literal["json", "text"] = "json"
+    """The call's body: ``json``, ``{"name": ..., "arguments": {...}}`` (Hermes, Qwen), the
+    arguments passed by keyword; ``text``, ``name argument`` (the rest of the body is the
+    tool's one argument)."""
+    result_template: str = "<tool_response>{result}</tool_response>"
+    """How a result goes back to the model: ``{result}`` is filled (a chat template's user
+    or tool turn may be spelt out around it)."""
+    max_result_chars: int = 1000
+    """A longer result is cut to this many characters."""
+    python_timeout_s: float = 5.0
+    """The ``python`` tool's limit, wall clock and CPU time, per call."""
+    python_memory_mb: int = 512
+    """The ``python`` tool's address-space limit."""
+
+    def __post_init__(self) -> None:
+        if not self.names:
+            raise ValueError("rollout.tools.names is empty: name at least one tool")
+        if len(set(self.names)) != len(self.names):
+            raise ValueError(f"rollout.tools.names has duplicates: {self.names}")
+        if self.max_turns < 1 or self.max_result_chars < 1 or self.python_memory_mb < 16:
+            raise ValueError(
+                "rollout.tools.max_turns and max_result_chars must be >= 1 and "
+                f"python_memory_mb >= 16, got {self.max_turns}, {self.max_result_chars}, "
+                f"{self.python_memory_mb}"
+            )
+        if self.python_timeout_s <= 0:
+            raise ValueError(
+                f"rollout.tools.python_timeout_s must be > 0, got {self.python_timeout_s}"
+            )
+        if not self.call_start or not self.call_end:
+            raise ValueError("rollout.tools.call_start and call_end must not be empty")
+        if "{result}" not in self.result_template:
+            raise ValueError(
+                f"rollout.tools.result_template must hold {{result}}, got {self.result_template!r}"
+            )
+
+
+@dataclass(kw_only=True)
 class RolloutConfig:
     """Where generations come from and how they are sampled."""
 
@@ -89,6 +147,13 @@ class RolloutConfig:
     """Write each step's training samples here (jsonl)."""
     replay_dir: str | None = None
     """Train from samples dumped earlier instead of generating (no server)."""
+    hook: str | None = None
+    """Generate each sample with a rollout hook instead of one completion:
+    ``package.module:function``, an ``async def`` taking (EpisodeInput, EngineSession) and
+    returning an Episode (rollout/hook.py), or ``tools``, the built-in multi-turn tool loop
+    (``rollout.tools``). None: one completion per sample."""
+    tools: ToolsConfig = field(default_factory=ToolsConfig)
+    """The built-in tool loop's settings (read with ``hook: tools`` only)."""
 
     @property
     def embedded_process(self) -> bool:
@@ -123,8 +188,19 @@ class RolloutConfig:
         for name in timeouts:
             if getattr(self, name) <= 0:
                 raise ValueError(f"rollout.{name} must be > 0, got {getattr(self, name)}")
+        if self.hook is not None and self.max_staleness:
+            raise ValueError(
+                "rollout.hook with rollout.max_staleness >= 1 is not supported: a hook's "
+                "episodes do not record the weight versions of their turns"
+            )
         if self.embedded_server != "auto" and self.engine != "embedded":
             raise ValueError("rollout.embedded_server is for rollout.engine=embedded")
+        if self.hook is not None and self.hook != "tools":
+            module, sep, name = self.hook.partition(":")
+            if not (module and sep and name):
+                raise ValueError(
+                    f"rollout.hook must be 'tools' or 'package.module:function', got {self.hook!r}"
+                )
         if self.engine == "sglang" and self.replay_dir is None:
             if not self.urls and not self.launch_command:
                 raise ValueError("rollout.engine=sglang needs rollout.urls or launch_command")

@@ -15,6 +15,7 @@ from typing import Any
 
 from megatron_grpo.config import Config, EvalDatasetConfig
 from megatron_grpo.eval.pass_at_k import mean_pass_at_k
+from megatron_grpo.rollout.hook import response_text, reward_metadata
 
 
 def dataset_config(cfg: Config, spec: EvalDatasetConfig):
@@ -42,13 +43,18 @@ def group_metrics(
 class Evaluator:
     """``run(step)``: the eval metrics (``<set>/<metric>``) of the current policy."""
 
-    def __init__(self, cfg: Config, *, runtime, scorer, tokenizer, stop_token_ids: list[int]):
+    def __init__(
+        self, cfg: Config, *, runtime, scorer, tokenizer, stop_token_ids: list[int], hook=None
+    ):
+        """``hook``: the run's rollout hook (a ``HookRunner``), which then makes each
+        completion as it makes the training samples (e.g. the tool loop)."""
         from megatron_grpo.data import PromptDataset
 
         self.cfg = cfg.eval
         self.seed = cfg.seed
         self.runtime, self.scorer, self.tokenizer = runtime, scorer, tokenizer
         self.stop_token_ids = stop_token_ids
+        self.hook = hook
         self.sampling = dataclasses.replace(
             cfg.rollout,
             samples_per_prompt=self.cfg.samples_per_prompt,
@@ -71,20 +77,21 @@ class Evaluator:
         return out
 
     def _run_set(self, items: list, *, seed: int) -> dict[str, float]:
-        groups = self.runtime.generate_groups(
-            [it.prompt_ids for it in items],
-            self.sampling,
-            seed=seed,
-            stop_token_ids=self.stop_token_ids,
-        )
+        if self.hook is None:
+            groups = self.runtime.generate_groups(
+                [it.prompt_ids for it in items],
+                self.sampling,
+                seed=seed,
+                stop_token_ids=self.stop_token_ids,
+            )
+        else:
+            groups = self.hook.generate_groups(
+                items, self.runtime, self.sampling, seed=seed, stop_token_ids=self.stop_token_ids
+            )
         n = self.cfg.samples_per_prompt
-        texts = [
-            self.tokenizer.decode(list(s.output_ids), skip_special_tokens=True)
-            for group in groups
-            for s in group
-        ]
+        texts = [response_text(s, self.tokenizer) for group in groups for s in group]
         labels = [it.label for it in items for _ in range(n)]
-        metas = [it.metadata for it in items for _ in range(n)]
+        metas = [reward_metadata(s, it.metadata) for it, group in zip(items, groups) for s in group]
         scored = self.scorer.score(texts, labels, metas)
         rewards = [scored.rewards[i * n : (i + 1) * n] for i in range(len(items))]
         lengths = [len(s.output_ids) for group in groups for s in group]
@@ -98,8 +105,8 @@ class Evaluator:
 def build(cfg: Config, rollout, ctx) -> Evaluator | None:
     """The evaluator of a run, on the main rank when ``eval.datasets`` is set; else None.
 
-    ``rollout`` is the loop's rollout side: its runtime, scorer, tokenizer and stop
-    tokens (which exist on the main rank only)."""
+    ``rollout`` is the loop's rollout side: its runtime, scorer, tokenizer, stop tokens
+    and rollout hook (which exist on the main rank only)."""
     if not cfg.eval.enabled or rollout is None or not ctx.is_main:
         return None
     return Evaluator(
@@ -108,6 +115,7 @@ def build(cfg: Config, rollout, ctx) -> Evaluator | None:
         scorer=rollout.scorer,
         tokenizer=rollout.tokenizer,
         stop_token_ids=rollout.stop,
+        hook=rollout.hook,
     )
 
 

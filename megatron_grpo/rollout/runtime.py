@@ -158,6 +158,19 @@ class RolloutRuntime:
             groups[s.prompt_index][s.sample_index] = s
         return groups
 
+    def run_on_engines(self, work: Callable[[Any], Coroutine[Any, Any, Any]]) -> Any:
+        """``await work(client)`` on the runtime's event loop, as a rollout (a rollout hook's
+        episodes): silent engines dropped first, what is in flight aborted if interrupted."""
+        from megatron_grpo.rollout.errors import RolloutStoppedError
+
+        if self._stopped:
+            raise RolloutStoppedError("the rollout engines' generation was stopped")
+        self._drop_silent_engines("before a rollout")
+        try:
+            return self.io.run(work(self.client))
+        finally:
+            self.io.run(self.client.settle())
+
     def stop_generation(self) -> None:
         """Cancel the generations running (their requests are aborted) and refuse new ones:
         for a thread that generates, from another, at the end of a run."""

@@ -22,6 +22,7 @@ from megatron_grpo.algo.advantages import fill_batch, group_advantages, has_spre
 from megatron_grpo.algo.batch import Sample
 from megatron_grpo.config import AdvantageConfig, RolloutConfig
 from megatron_grpo.rewards import ScoreResult
+from megatron_grpo.rollout import hook as rollout_hook
 from megatron_grpo.rollout.scoring import GroupScoring
 
 
@@ -48,6 +49,8 @@ def _to_samples(
         for k, gen in enumerate(group):
             prompt, output = list(gen.prompt_ids), list(gen.output_ids)
             mask = [0.0] * len(prompt) + [1.0] * len(output)
+            if isinstance(gen, rollout_hook.Episode):  # tool output and the like: mask 0
+                mask = [0.0] * len(prompt) + list(gen.loss_mask)
             if mask_truncated and gen.finish_reason.type == "length":
                 mask = [0.0] * len(mask)
             out.append(
@@ -127,26 +130,29 @@ def _generate_and_score(
     *,
     seed: int,
     stop_token_ids: list[int],
+    hook: rollout_hook.HookRunner | None,
 ) -> tuple[list[list[Any]], ScoreResult]:
-    """The groups of ``items``' prompts and their rewards: each group scored as soon as it
-    is generated when the reward runs outside this thread, else all after generation."""
+    """The groups of ``items``' prompts (with ``hook``, its episodes) and their rewards: each
+    group scored as soon as it is generated when the reward runs outside this thread (and
+    no hook runs), else all after generation."""
     prompts = [it.prompt_ids for it in items]
-    labels = [it.label for it in items]
-    metas = [it.metadata for it in items]
-    if scorer.runs_elsewhere:
+    if hook is None and scorer.runs_elsewhere:
+        labels, metas = [it.label for it in items], [it.metadata for it in items]
         with GroupScoring(scorer, tokenizer, labels, metas) as scoring:
             groups = runtime.generate_groups(
                 prompts, cfg, seed=seed, stop_token_ids=stop_token_ids, on_group=scoring.submit
             )
             return groups, scoring.result(cfg.samples_per_prompt)
-    groups = runtime.generate_groups(prompts, cfg, seed=seed, stop_token_ids=stop_token_ids)
-    texts = [
-        tokenizer.decode(list(s.output_ids), skip_special_tokens=True) for g in groups for s in g
+    if hook is None:
+        groups = runtime.generate_groups(prompts, cfg, seed=seed, stop_token_ids=stop_token_ids)
+    else:
+        groups = hook.generate_groups(items, runtime, cfg, seed=seed, stop_token_ids=stop_token_ids)
+    texts = [rollout_hook.response_text(s, tokenizer) for grp in groups for s in grp]
+    labels = [it.label for it in items for _ in range(cfg.samples_per_prompt)]
+    metas = [
+        rollout_hook.reward_metadata(s, it.metadata) for it, grp in zip(items, groups) for s in grp
     ]
-    n = cfg.samples_per_prompt
-    return groups, scorer.score(
-        texts, [x for x in labels for _ in range(n)], [m for m in metas for _ in range(n)]
-    )
+    return groups, scorer.score(texts, labels, metas)
 
 
 def collect(
@@ -160,8 +166,10 @@ def collect(
     adv_cfg: AdvantageConfig,
     seed: int,
     stop_token_ids: list[int],
+    hook: rollout_hook.HookRunner | None = None,
 ) -> RolloutBatch:
-    """Generate, score and turn into training samples (main rank only)."""
+    """Generate (with ``hook``, one episode per sample), score and turn into training
+    samples (main rank only)."""
     start = time.perf_counter()
     kept_gens: list[list[Any]] = []
     kept_rewards: list[torch.Tensor] = []
@@ -171,13 +179,23 @@ def collect(
     all_rewards: list[float] = []
     lengths: list[int] = []
     truncated = 0
+    episode_metrics: list[dict[str, float]] = []
     while len(kept_gens) < cfg.prompts_per_step and rounds < adv_cfg.max_sampling_rounds:
         need = cfg.prompts_per_step - len(kept_gens)
         items = sampler.next_batch(need if adv_cfg.dynamic_sampling else cfg.prompts_per_step)
         round_seed = seed + 1_000_003 * step + 10_007 * rounds
         groups, scored = _generate_and_score(
-            items, runtime, scorer, tokenizer, cfg, seed=round_seed, stop_token_ids=stop_token_ids
+            items,
+            runtime,
+            scorer,
+            tokenizer,
+            cfg,
+            seed=round_seed,
+            stop_token_ids=stop_token_ids,
+            hook=hook,
         )
+        if hook is not None:
+            episode_metrics += [s.metrics for grp in groups for s in grp]
         reward_errors += scored.num_errors
         rewards = torch.tensor(scored.rewards, dtype=torch.float64).view(len(items), -1)
         all_rewards += scored.rewards
@@ -215,6 +233,7 @@ def collect(
         "groups_flat_kept": float(max(shortfall, 0)),
         "sampling_rounds": float(rounds),
         "generated_tokens_per_s": sum(lengths) / max(elapsed, 1e-9),
+        **(rollout_hook.episode_stats(episode_metrics) if episode_metrics else {}),
     }
     if cfg.max_staleness:
         stats |= staleness_stats(kept_gens, step)

@@ -82,6 +82,17 @@ def char_tokenizer(corpus: list[str]):
     )
 
 
+def tool_tokenizer(corpus: list[str], words: list[str]):
+    """``char_tokenizer`` whose decoding joins tokens without spaces, with each of ``words``
+    (tool-call tags, tool names) one token of its own."""
+    from tokenizers import decoders
+
+    tokenizer = char_tokenizer(corpus)
+    tokenizer.backend_tokenizer.decoder = decoders.Fuse()
+    tokenizer.add_tokens(list(words))
+    return tokenizer
+
+
 def tiny_qwen2_for(tokenizer, seed: int, family: str = "qwen2"):
     """A freshly initialized tiny fp32 Qwen2 (the CPU examples' model) for ``tokenizer``;
     ``family="qwen3_moe"`` makes the same size of Qwen3-MoE (4 experts, top-2)."""

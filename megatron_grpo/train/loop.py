@@ -254,6 +254,7 @@ class _RolloutSide:
         from megatron_grpo.data import PromptDataset, PromptSampler
         from megatron_grpo.rewards import RewardScorer
         from megatron_grpo.rollout.embedded.weights import hf_model_from_config
+        from megatron_grpo.rollout.hook import load_hook
         from megatron_grpo.rollout.runtime import RolloutRuntime
 
         self.tokenizer = AutoTokenizer.from_pretrained(sources.tokenizer_path(cfg))
@@ -262,6 +263,7 @@ class _RolloutSide:
             self.sampler.load_state_dict(extra["sampler"])
         self.scorer = RewardScorer(cfg.reward)
         self.stop = rollout_stage.stop_token_ids(self.tokenizer, cfg.rollout.stop_token_ids)
+        self.hook = load_hook(cfg.rollout, self.tokenizer)
         embedded = cfg.rollout.engine == "embedded" and not cfg.rollout.embedded_process
         self.runtime = RolloutRuntime(
             cfg.rollout,
@@ -290,6 +292,7 @@ class _RolloutSide:
             adv_cfg=self.cfg.advantages,
             seed=self.cfg.seed,
             stop_token_ids=self.stop,
+            hook=self.hook,
         )
         if self.cfg.rollout.dump_dir:
             rollout_stage.dump(batch, self.cfg.rollout.dump_dir, step)

@@ -340,6 +340,11 @@ def test_asynchronous_rl_options_and_their_refusals_are_named():
             "rollout.urls=[http://127.0.0.1:1]",
             "rollout.embedded_server=process",
         ],
+        "rollout.hook with rollout.max_staleness >= 1 is not supported": [
+            "rollout.max_staleness=1",
+            "reward.num_workers=1",
+            "rollout.hook=tools",
+        ],
         "with loss.old_logprobs=rollout the ratio is already taken against the engine's": [
             "loss.old_logprobs=rollout",
             "loss.tis_level=token",
