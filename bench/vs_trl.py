@@ -19,6 +19,10 @@ sampling (on in the demo, which then generates more rounds to refill dropped
 groups; TRL has none) is switched off here, as are the demo's checkpoints (TRL
 saves none).
 
+Every process of both sides runs with the same number of torch threads (``--threads``,
+default 1 as torchrun gives its workers): on a shared machine, threads that wait for
+each other's cores swing wall times by several times.
+
 Per contender and repeat: the median seconds per step over steps 2..N (the time
 between the ends of consecutive steps, as seen from here: the metrics line of a
 step, or TRL's step-end callback), the median split of a step into rollout
@@ -57,6 +61,13 @@ def parse_args():
         "--sides", default="trl,pp1,pp2", help="comma-separated contenders: trl, pp1, pp2"
     )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads of every process of both sides (OMP_NUM_THREADS; default 1, as "
+        "torchrun gives its workers)",
+    )
     return p.parse_args()
 
 
@@ -106,7 +117,7 @@ def trl_command(assets: Path, events: Path, steps: int) -> list[str]:
     ]
 
 
-def run_side(side: str, assets: Path, steps: int, timeout: float) -> Run:
+def run_side(side: str, assets: Path, steps: int, timeout: float, threads: int) -> Run:
     with tempfile.TemporaryDirectory(prefix=f"vs_trl_{side}_") as tmp:
         work = Path(tmp)
         if side == "trl":
@@ -115,7 +126,11 @@ def run_side(side: str, assets: Path, steps: int, timeout: float) -> Run:
         else:
             events = work / "run" / "metrics.jsonl"
             cmd = our_command(assets, work / "run", steps, nproc=int(side[2:]))
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), *_pythonpath()])}
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(REPO), *_pythonpath()]),
+            "OMP_NUM_THREADS": str(threads),
+        }
         start = time.time()
         proc = subprocess.Popen(
             cmd, cwd=REPO, env=env, stdout=open(work / "log", "wb"), stderr=subprocess.STDOUT
@@ -288,7 +303,11 @@ def report(runs: dict[str, list[Run]], args, steps: int) -> None:
         args.out,
         {
             "quick": args.quick,
-            "settings": {"steps": steps, "repeats": len(next(iter(runs.values())))},
+            "settings": {
+                "steps": steps,
+                "repeats": len(next(iter(runs.values()))),
+                "threads": args.threads,
+            },
             "ratios": ratios,
             "sides": table,
         },
@@ -314,7 +333,7 @@ def main() -> None:
     for rep in range(repeats):
         shift = rep % len(sides)
         for side in sides[shift:] + sides[:shift]:
-            run = run_side(side, assets, steps, args.timeout)
+            run = run_side(side, assets, steps, args.timeout, args.threads)
             print(
                 f"repeat {rep + 1} {side}: {run.step_s:.3f} s/step (cpu {run.step_cpu_s:.3f}), "
                 f"start-up {run.startup_s:.1f} s, memory {run.total_peak_mb:.0f} MB",
