@@ -170,6 +170,7 @@ class _Watch:
         self.events = events
         self.rows: list[dict[str, Any]] = []
         self.peaks: dict[str, float] = {}
+        self._by_pid: dict[int, str] = {}
         self._offset = 0
         self._polls = 0
 
@@ -214,10 +215,17 @@ class _Watch:
             return
         for p in procs:
             try:
-                key = f"{p.pid} {_short(p.cmdline())}"
-                self.peaks[key] = max(self.peaks.get(key, 0.0), _peak_rss_mb(p))
+                peak, command = _peak_rss_mb(p), _short(p.cmdline())
             except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
                 continue
+            # one entry per process: a forked child that then runs another program
+            # (torchrun's workers) keeps its pid, and takes the later command's name
+            old = self._by_pid.pop(p.pid, None)
+            if old is not None:
+                peak = max(peak, self.peaks.pop(old))
+            key = f"{p.pid} {command}"
+            self._by_pid[p.pid] = key
+            self.peaks[key] = peak
 
 
 def _peak_rss_mb(p) -> float:
