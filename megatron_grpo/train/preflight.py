@@ -2,9 +2,10 @@
 
 ``megatron-grpo train --nproc`` runs ``preflight`` in a short-lived process of its own
 before it starts torchrun (so that the launcher, alive for the whole run, holds none of
-what it imports), and each torchrun worker runs it again before its process group: the layout against the world size and the
-model's heads, query groups and widths, the global batch against DP, the tokenizer, a
-usable prompt in the data files, the reward function. A failure raises ValueError
+what it imports), and each torchrun worker runs it again before its process group: the
+layout against the world size and the model's heads, query groups and widths, the
+global batch against DP, the tokenizer, a usable prompt in the data files, the reward
+function. A failure raises ValueError
 naming the config key; the command exits 2 with that one line.
 """
 
