@@ -13,9 +13,11 @@ batches everything queued into one decoding round and returns each token's
 log-prob. The baseline is one ``model.generate`` call over the left-padded
 prompts with ``num_return_sequences=n`` (no log-probs). A third side splits the
 server's time: ``decode.generate_batch``, the server's decoding loop, called
-directly on the same requests (no HTTP, no queue). The three alternate within
-each repeat, in rotating order. Reported: server tokens/s / generate tokens/s,
-and the same for the direct decoding loop.
+directly on the same requests (no HTTP, no queue). A fourth sends the same samples to
+the server as one batched ``/generate`` request (what a client that batched a group or
+a rollout would send). All alternate within each repeat, in rotating order. Reported:
+server tokens/s / generate tokens/s, and the same for the direct decoding loop and the
+one batched request.
 """
 
 from __future__ import annotations
@@ -23,8 +25,13 @@ from __future__ import annotations
 from _common import Ratio, interleaved, parser, ratios, seconds, summary, write_result
 
 
-def make_model(quick: bool):
+def make_model(quick: bool, path: str | None = None):
     import torch
+
+    if path is not None:
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(path).float().eval()
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
@@ -54,6 +61,11 @@ def parse_args():
     p.add_argument("--new-tokens", type=int)
     p.add_argument("--repeats", type=int)
     p.add_argument("--warmup", type=int)
+    p.add_argument(
+        "--model-path",
+        help="a Hugging Face model directory instead of the random Qwen3-shaped model "
+        "(e.g. the CPU demo's, runs/cpu_demo/assets/model)",
+    )
     return p.parse_args()
 
 
@@ -91,7 +103,12 @@ class Sides:
             ClientConfig(urls=(self.server.url,), max_concurrency=len(prompts) * n)
         )
         self.loop.run_until_complete(self.client.__aenter__())
-        self.tokens: dict[str, list[int]] = {"server": [], "generate": [], "decode_direct": []}
+        self.tokens: dict[str, list[int]] = {
+            "server": [],
+            "generate": [],
+            "decode_direct": [],
+            "server_one_request": [],
+        }
         self.seed = iter(range(1, 1 << 30))
         self.width = max(len(x) for x in prompts)
         self.input_ids = torch.tensor([[0] * (self.width - len(x)) + x for x in prompts])
@@ -127,6 +144,33 @@ class Sides:
     def via_server(self) -> None:
         samples = self.loop.run_until_complete(self.client.generate(self.request()))
         self.tokens["server"].append(sum(len(s.output_ids) for s in samples))
+
+    def via_one_request(self) -> None:
+        """The same samples as one batched ``/generate`` request (a list of input_ids, one
+        entry per sample with its own seed), as a client that batched would send them."""
+        import aiohttp
+
+        from megatron_grpo.rollout.protocol import sampling_params_to_json
+
+        r = self.request()
+        body = {
+            "input_ids": [list(p) for p in r.prompts for _ in range(self.n)],
+            "sampling_params": [
+                sampling_params_to_json(r.sampling, seed=r.sample_seed(i, j))
+                for i in range(len(r.prompts))
+                for j in range(self.n)
+            ],
+            "return_logprob": True,
+        }
+
+        async def post() -> list:
+            async with aiohttp.ClientSession() as session:
+                async with session.post(f"{self.server.url}/generate", json=body) as answer:
+                    answer.raise_for_status()
+                    return await answer.json()
+
+        answers = self.loop.run_until_complete(post())
+        self.tokens["server_one_request"].append(sum(len(a["output_ids"]) for a in answers))
 
     def via_decode_loop(self) -> None:
         from megatron_grpo.rollout.embedded.decode import SequenceSpec, generate_batch
@@ -176,6 +220,11 @@ def report(times, *, model, num_prompts: int, n: int, new_tokens: int, repeats: 
         [1 / r for r in ratios(times, ["decode_direct"], "generate", "cpu")],
     )
     print("  " + direct.line())
+    batched = Ratio.of(
+        "server_one_request_tokens_per_s/generate_tokens_per_s [cpu]",
+        [1 / r for r in ratios(times, ["server_one_request"], "generate", "cpu")],
+    )
+    print("  " + batched.line())
     per_s = {k: [expected / t.wall for t in v] for k, v in times.items()}
     print(
         f"  {num_prompts} prompts x {n} samples x {new_tokens} tokens: server "
@@ -200,6 +249,7 @@ def report(times, *, model, num_prompts: int, n: int, new_tokens: int, repeats: 
             },
             "server_vs_generate": ratio,
             "decode_loop_vs_generate": direct,
+            "server_one_request_vs_generate": batched,
             "tokens_per_s_wall": {k: summary(v) for k, v in per_s.items()},
             "seconds": seconds(times),
         },
@@ -215,7 +265,7 @@ def main() -> None:
     n = args.samples or (2 if args.quick else 8)
     new_tokens = args.new_tokens or (8 if args.quick else 64)
     repeats = args.repeats or (2 if args.quick else 7)
-    model = make_model(args.quick)
+    model = make_model(args.quick, args.model_path)
     sides = Sides(model, random_prompts(model.config.vocab_size, num_prompts), n, new_tokens)
     try:
         times = interleaved(
@@ -223,6 +273,7 @@ def main() -> None:
                 "server": sides.via_server,
                 "generate": sides.via_generate,
                 "decode_direct": sides.via_decode_loop,
+                "server_one_request": sides.via_one_request,
             },
             repeats=repeats,
             warmup=args.warmup if args.warmup is not None else (0 if args.quick else 1),

@@ -53,15 +53,18 @@ def cmd_train(args: argparse.Namespace) -> int:
             print(f"megatron-grpo: error: {report.refusal()}", file=sys.stderr)
             return 2
         return 0
-    from megatron_grpo.train.preflight import preflight
-
     launching = args.nproc and "WORLD_SIZE" not in os.environ
-    preflight(cfg, args.nproc if launching else int(os.environ.get("WORLD_SIZE", "1")))
     if launching:
         from megatron_grpo.train.run_lock import HELD_ENV, RunLock
 
+        code = _preflight_in_child(args.nproc, args.argv)
+        if code:
+            return code
         with RunLock(cfg.output_dir) as lock:  # before any process starts
             return _relaunch_under_torchrun(args.nproc, sys.argv[1:], {HELD_ENV: str(lock.path)})
+    from megatron_grpo.train.preflight import preflight
+
+    preflight(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     from megatron_grpo.launch import die_with_parent
     from megatron_grpo.train.loop import train
 
@@ -69,6 +72,18 @@ def cmd_train(args: argparse.Namespace) -> int:
         die_with_parent()
     train(cfg)
     return 0
+
+
+def _preflight_in_child(nproc: int, argv: list[str]) -> int:
+    """``preflight`` for ``nproc`` processes in a process that then exits: it loads the
+    tokenizer, the data and the reward (torch and transformers with them), which the
+    launcher, alive for the whole run, should not hold. Its error lines are printed
+    here; its exit code is returned (2 for a refused config)."""
+    cmd = [sys.executable, "-m", "megatron_grpo.train.preflight", str(nproc), *argv]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode:
+        print(done.stderr.rstrip() or f"preflight failed ({done.returncode})", file=sys.stderr)
+    return done.returncode
 
 
 ERROR_DIR_ENV = "MEGATRON_GRPO_ERROR_DIR"
@@ -267,6 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(argv) if argv is not None else sys.argv[1:]
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as e:

@@ -59,13 +59,6 @@ class Sample:
         return int(self.loss_mask.sum())
 
 
-def _shift(values: Tensor) -> Tensor:
-    """Token-aligned -> target-aligned: position t holds the value of token t + 1."""
-    out = torch.zeros_like(values)
-    out[:-1] = values[1:]
-    return out
-
-
 @dataclass(kw_only=True)
 class MicroBatch:
     """One micro-batch of one rank, as the model and the loss read it.
@@ -151,46 +144,86 @@ def collate(
     """
     rows = list(rows) or [[]]
     samples = [s for row in rows for s in row]
+    lengths = [len(s) for s in samples]
     longest = max(max(sum(len(s) for s in row) for row in rows), shape[1], 1)
     length = -(-longest // pad_to_multiple) * pad_to_multiple
     B = max(len(rows), shape[0])
-    tokens = torch.zeros(B, length, dtype=torch.long)
-    targets = torch.zeros(B, length, dtype=torch.long)
-    position_ids = torch.zeros(B, length, dtype=torch.long)
-    mask = torch.zeros(B, length)
-    advantages = torch.zeros(B, length)
-    seg = torch.full((B, length), -1, dtype=torch.long)
     with_rollout = all(s.rollout_logprobs is not None for s in samples)
-    rollout = torch.zeros(B, length)
-    index = 0
-    for r, row in enumerate(rows):
-        start = 0
-        for s in row:
-            span = slice(start, start + len(s))
-            tokens[r, span] = s.tokens
-            targets[r, span] = _shift(s.tokens)
-            position_ids[r, span] = torch.arange(len(s))
-            mask[r, span] = _shift(s.loss_mask.float())
-            advantages[r, span] = s.advantage * mask[r, span]
-            seg[r, span] = index
-            if with_rollout:
-                rollout[r, span] = _shift(s.rollout_logprobs.float())  # type: ignore[union-attr]
-            start += len(s)
-            index += 1
+    out = {
+        "tokens": torch.zeros(B * length, dtype=torch.long),
+        "targets": torch.zeros(B * length, dtype=torch.long),
+        "position_ids": torch.zeros(B * length, dtype=torch.long),
+        "loss_mask": torch.zeros(B * length),
+        "advantages": torch.zeros(B * length),
+        "seg": torch.full((B * length,), -1, dtype=torch.long),
+        "rollout_logprobs": torch.zeros(B * length),
+    }
+    seq_tokens = torch.zeros(len(samples))
+    if samples:
+        seq_tokens = _place(out, samples, lengths, _starts(rows, length), with_rollout)
     return MicroBatch(
-        tokens=tokens,
-        position_ids=position_ids,
-        targets=targets,
-        loss_mask=mask,
-        advantages=advantages,
-        seg=seg,
-        attention_mask=packed_attention_mask(seg) if any(len(row) > 1 for row in rows) else None,
-        rollout_logprobs=rollout if with_rollout else None,
+        **{k: v.view(B, length) for k, v in out.items() if k != "rollout_logprobs"},
+        attention_mask=(
+            packed_attention_mask(out["seg"].view(B, length))
+            if any(len(row) > 1 for row in rows)
+            else None
+        ),
+        rollout_logprobs=out["rollout_logprobs"].view(B, length) if with_rollout else None,
         group_ids=torch.tensor([s.group for s in samples], dtype=torch.long),
         sample_ids=torch.tensor([s.sample_id for s in samples], dtype=torch.long),
-        seq_tokens=torch.tensor([float(s.num_loss_tokens) for s in samples]),
+        seq_tokens=seq_tokens,
         num_groups=num_groups,
     )
+
+
+def _starts(rows: Sequence[Sequence[Sample]], length: int) -> list[int]:
+    """Where each sample begins in the flattened [B * length] micro-batch."""
+    starts = []
+    for r, row in enumerate(rows):
+        start = r * length
+        for s in row:
+            starts.append(start)
+            start += len(s)
+    return starts
+
+
+def _place(
+    out: dict[str, Tensor],
+    samples: list[Sample],
+    lengths: list[int],
+    starts: list[int],
+    with_rollout: bool,
+) -> Tensor:
+    """Write every sample into the flat buffers of ``out`` at once; the loss tokens of
+    each sample.
+
+    A sample's values are shifted onto the logits positions within the sample: its
+    last position gets 0 (it predicts nothing).
+    """
+    lengths_N = torch.tensor(lengths)
+    index = torch.arange(int(lengths_N.sum()))
+    first = torch.repeat_interleave(torch.cumsum(lengths_N, 0) - lengths_N, lengths_N)
+    where = torch.repeat_interleave(torch.tensor(starts), lengths_N) + (index - first)
+    last = torch.zeros(len(index), dtype=torch.bool)
+    last[torch.cumsum(lengths_N, 0) - 1] = True
+
+    def shifted(values: Tensor) -> Tensor:
+        return torch.cat([values[1:], values.new_zeros(1)]).masked_fill_(last, 0)
+
+    tokens = torch.cat([s.tokens for s in samples])
+    mask = shifted(torch.cat([s.loss_mask for s in samples]).float())
+    advantage = torch.tensor([float(s.advantage) for s in samples])
+    out["tokens"][where] = tokens
+    out["targets"][where] = shifted(tokens)
+    out["position_ids"][where] = index - first
+    out["loss_mask"][where] = mask
+    out["advantages"][where] = torch.repeat_interleave(advantage, lengths_N) * mask
+    sample_of = torch.repeat_interleave(torch.arange(len(samples)), lengths_N)
+    out["seg"][where] = sample_of
+    if with_rollout:
+        rollout = torch.cat([s.rollout_logprobs.float() for s in samples])  # type: ignore[union-attr]
+        out["rollout_logprobs"][where] = shifted(rollout)
+    return torch.zeros(len(samples)).index_add_(0, sample_of, mask)
 
 
 def packed_attention_mask(seg: Tensor) -> Tensor:

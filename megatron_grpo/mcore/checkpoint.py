@@ -2,17 +2,20 @@
 
 Saves are atomic: every rank writes into ``<dir>.partial``; once all ranks
 are done, rank 0 renames it to ``<dir>``. A crash mid-save leaves only a
-``.partial`` folder behind and the previous checkpoint untouched.
+``.partial`` folder behind and the previous checkpoint untouched. A rank with little to
+write writes it itself (``checkpoint_writes``), without megatron-core's helper processes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
+from megatron_grpo.mcore.checkpoint_writes import IN_PROCESS_BYTES, local_bytes, writes_in_process
 from megatron_grpo.mcore.model import unwrap
 from megatron_grpo.mcore.parallel import ParallelContext
 
@@ -43,7 +46,9 @@ def save(state: dict[str, Any], path: str | Path, ctx: ParallelContext) -> Path:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     dist.barrier()
-    dist_checkpointing.save(state, str(partial))
+    small = local_bytes(state) < IN_PROCESS_BYTES
+    with writes_in_process() if small else contextlib.nullcontext():
+        dist_checkpointing.save(state, str(partial))
     dist.barrier()
     if ctx.is_main:
         if final.exists():

@@ -53,20 +53,37 @@ def _is_cuda(device: Any) -> bool:
 
 
 class _CudaToCpuMode(TorchFunctionMode):
-    """Rewrites CUDA placements to the CPU and answers CUDA tensor type names."""
+    """Rewrites CUDA placements to the CPU and answers CUDA tensor type names.
+
+    Every torch call of the thread goes through it, so the common case (no
+    ``device`` keyword, not one of the three tensor methods) does as little as it can.
+    """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
-        if _is_cuda(kwargs.get("device")):
-            kwargs["device"] = _CPU
-        if func is torch.Tensor.cuda:
-            return args[0]
-        if func is torch.Tensor.to:
-            args = tuple(_CPU if _is_cuda(a) else a for a in args)
-        elif func is torch.Tensor.type and len(args) == 1 and not kwargs:
-            # Grad clipping asserts grads are 'torch.cuda.FloatTensor'.
-            return func(*args).replace("torch.", "torch.cuda.", 1)
+        if kwargs:
+            device = kwargs.get("device")
+            if device is not None and _is_cuda(device):
+                kwargs = {**kwargs, "device": _CPU}
+        else:
+            kwargs = _NO_KWARGS
+        if func in _TENSOR_METHODS:
+            return _tensor_method(func, args, kwargs)
         return func(*args, **kwargs)
+
+
+_NO_KWARGS: dict[str, Any] = {}
+_TENSOR_METHODS = frozenset({torch.Tensor.cuda, torch.Tensor.to, torch.Tensor.type})
+
+
+def _tensor_method(func, args: tuple, kwargs: dict[str, Any]) -> Any:
+    if func is torch.Tensor.cuda:
+        return args[0]
+    if func is torch.Tensor.to:
+        args = tuple(_CPU if _is_cuda(a) else a for a in args)
+    elif func is torch.Tensor.type and len(args) == 1 and not kwargs:
+        # Grad clipping asserts grads are 'torch.cuda.FloatTensor'.
+        return func(*args).replace("torch.", "torch.cuda.", 1)
+    return func(*args, **kwargs)
 
 
 def _cpu_rng_state(*_args: Any, **_kwargs: Any) -> torch.Tensor:

@@ -1,9 +1,11 @@
 """What can be checked before any worker starts, without building the model.
 
-``megatron-grpo train`` runs ``preflight`` in the launching process (and each torchrun
-worker again before its process group): the layout against the world size and the
-model's heads, query groups and widths, the global batch against DP, the tokenizer, a
-usable prompt in the data files, the reward function. A failure raises ValueError
+``megatron-grpo train --nproc`` runs ``preflight`` in a short-lived process of its own
+before it starts torchrun (so that the launcher, alive for the whole run, holds none of
+what it imports), and each torchrun worker runs it again before its process group: the
+layout against the world size and the model's heads, query groups and widths, the
+global batch against DP, the tokenizer, a usable prompt in the data files, the reward
+function. A failure raises ValueError
 naming the config key; the command exits 2 with that one line.
 """
 
@@ -68,3 +70,26 @@ def preflight(cfg: Config, world_size: int) -> None:
         RewardScorer(cfg.reward)  # imports a custom reward function
     except ValueError as e:
         raise ValueError(f"reward.{cfg.reward.type}: {e}") from None
+
+
+def main(argv: list[str]) -> int:
+    """``python -m megatron_grpo.train.preflight NPROC <megatron-grpo arguments>``: what the
+    ``--nproc`` launcher runs in a process of its own; exit 2 with one line when refused."""
+    import sys
+
+    from megatron_grpo.cli import build_parser
+    from megatron_grpo.config import load_config
+
+    args = build_parser().parse_args(argv[1:])
+    try:
+        preflight(load_config(args.config, args.overrides), int(argv[0]))
+    except (ValueError, FileNotFoundError) as e:
+        print(f"megatron-grpo: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main(sys.argv[1:]))

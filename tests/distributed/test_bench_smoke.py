@@ -47,6 +47,35 @@ def test_quick_mode_prints_its_ratio_and_writes_json(name, tmp_path):
     assert result["machine"]["cpu_count"] >= 1
 
 
+def test_vs_trl_quick_mode_prints_its_ratios_and_writes_json(tmp_path):
+    pytest.importorskip("trl")  # an optional bench dependency
+    assets = tmp_path / "assets"
+    _run(
+        [
+            sys.executable,
+            "examples/cpu_demo/prepare.py",
+            "--out",
+            str(assets),
+            "--warmup-steps",
+            "1",
+        ]
+    )
+    out = tmp_path / "vs_trl.json"
+    argv = [
+        sys.executable,
+        "bench/vs_trl.py",
+        "--quick",
+        "--assets",
+        str(assets),
+        "--out",
+        str(out),
+    ]
+    done = _run(argv + ["--steps", "3"])
+    assert "RATIO pp1_s_per_step/trl_s_per_step [wall]" in done.stdout, done.stdout
+    result = _strict_json(out)
+    assert set(result["sides"]) == {"trl", "pp1", "pp2"}
+
+
 def test_gpu_sh_without_a_gpu_says_so_and_exits_0(tmp_path):
     out = tmp_path / "gpu.json"
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHON": sys.executable}

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from megatron_grpo.rollout.embedded.sampling import (
+    counter_uniform,
     sample_next_tokens,
     sampling_probs,
     token_logprobs,
@@ -55,13 +56,13 @@ def test_greedy_rows_are_one_hot():
 def test_draws_follow_the_filtered_distribution():
     num_draws = 4000
     logits_BV = LOGITS_V.repeat(num_draws, 1)
-    generator = torch.Generator().manual_seed(0)
     tokens = sample_next_tokens(
         logits_BV,
         torch.full((num_draws,), 0.5),
         torch.full((num_draws,), 3),
         torch.ones(num_draws),
-        [generator] * num_draws,
+        torch.arange(num_draws),
+        torch.zeros(num_draws, dtype=torch.long),
     )
     freq = torch.bincount(tokens, minlength=4).float() / num_draws
     expected = torch.softmax(LOGITS_V[:3] / 0.5, dim=-1)
@@ -71,27 +72,74 @@ def test_draws_follow_the_filtered_distribution():
     assert torch.allclose(freq[:3], expected, atol=tolerance), (freq, expected)
 
 
-def test_each_row_draws_from_its_own_generator():
-    logits_BV = torch.zeros(2, 50)  # uniform: every draw depends on the generator only
+def test_one_seed_draws_the_law_along_its_positions():
+    num_draws = 4000
+    positions = torch.arange(num_draws)
+    tokens = sample_next_tokens(
+        LOGITS_V.repeat(num_draws, 1),
+        torch.ones(num_draws),
+        torch.full((num_draws,), -1),
+        torch.ones(num_draws),
+        torch.full((num_draws,), 7),
+        positions,
+    )
+    freq = torch.bincount(tokens, minlength=4).float() / num_draws
+    tolerance = 4 * math.sqrt(0.25 / num_draws)
+    assert torch.allclose(freq, torch.exp(LOGITS_V), atol=tolerance), freq
+
+
+def test_counter_uniform_is_uniform_and_a_function_of_seed_and_counter():
+    seeds = torch.tensor([0, 1, 2**62, -5]).repeat_interleave(2500)
+    counters = torch.arange(10_000)
+    u = counter_uniform(seeds, counters)
+    assert u.dtype == torch.float64 and bool(((u >= 0) & (u < 1)).all())
+    assert abs(float(u.mean()) - 0.5) < 4 * math.sqrt(1 / 12 / len(u))
+    torch.testing.assert_close(counter_uniform(seeds[:7], counters[:7]), u[:7], rtol=0, atol=0)
+
+
+def test_each_row_draws_with_its_own_seed():
+    logits_BV = torch.zeros(2, 50)  # uniform: every draw depends on the seed only
     temps, top_k, top_p = torch.ones(2), torch.full((2,), -1), torch.ones(2)
 
     def draw(seeds):
-        gens = [torch.Generator().manual_seed(s) for s in seeds]
-        return [sample_next_tokens(logits_BV, temps, top_k, top_p, gens).tolist() for _ in range(5)]
+        return [
+            sample_next_tokens(
+                logits_BV, temps, top_k, top_p, torch.tensor(seeds), torch.full((2,), t)
+            ).tolist()
+            for t in range(5)
+        ]
 
     first = draw([1, 2])
     assert draw([1, 2]) == first
+    assert len({step[0] for step in first}) > 1  # positions draw afresh
     # row 0 with seed 1 draws the same whatever row 1 does
     assert [step[0] for step in draw([1, 99])] == [step[0] for step in first]
 
 
-def test_greedy_rows_draw_no_random_numbers():
-    generator = torch.Generator().manual_seed(0)
-    state = generator.get_state()
-    sample_next_tokens(
-        LOGITS_V[None, :], torch.zeros(1), torch.tensor([-1]), torch.ones(1), [generator]
+def test_greedy_rows_take_the_argmax_whatever_the_seed():
+    for seed in range(5):
+        token = sample_next_tokens(
+            LOGITS_V[None, :],
+            torch.zeros(1),
+            torch.tensor([-1]),
+            torch.ones(1),
+            torch.tensor([seed]),
+            torch.tensor([seed]),
+        )
+        assert token.tolist() == [0]
+
+
+def test_zero_probability_tokens_are_never_drawn():
+    logits_BV = torch.tensor([[0.0, -math.inf, 0.0, -math.inf]]).repeat(2000, 1)
+    tokens = sample_next_tokens(
+        logits_BV,
+        torch.ones(2000),
+        torch.full((2000,), -1),
+        torch.ones(2000),
+        torch.arange(2000),
+        torch.arange(2000),
     )
-    assert torch.equal(generator.get_state(), state)
+    assert set(tokens.tolist()) == {0, 2}
 
 
 def test_token_logprobs_are_raw_log_softmax():

@@ -27,18 +27,49 @@ Modules: ``cases`` (layouts, features, the batch), ``worker`` (one launch),
 ``reference`` (the gradient outside megatron-core), ``check`` (launch and compare).
 """
 
-from megatron_grpo.commands.invariance.cases import (
-    BF16_TOLERANCE,
-    FEATURES,
-    GROUP_SIZES,
-    MAX_COMPLETION,
-    Layout,
-    default_loss,
-    default_model,
-    fixed_batch,
-    parse_features,
-)
-from megatron_grpo.commands.invariance.check import REFERENCE, check
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from megatron_grpo.commands.invariance.cases import (
+        GROUP_SIZES,
+        MAX_COMPLETION,
+        Layout,
+        default_loss,
+        default_model,
+        fixed_batch,
+        parse_features,
+    )
+    from megatron_grpo.commands.invariance.check import REFERENCE, check
+    from megatron_grpo.commands.invariance.features import BF16_TOLERANCE, FEATURES
+
+_WHERE = {
+    "BF16_TOLERANCE": "features",
+    "FEATURES": "features",
+    "GROUP_SIZES": "cases",
+    "MAX_COMPLETION": "cases",
+    "Layout": "cases",
+    "default_loss": "cases",
+    "default_model": "cases",
+    "fixed_batch": "cases",
+    "parse_features": "cases",
+    "REFERENCE": "check",
+    "check": "check",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """The names below, imported on first use: the command line parser imports this
+    package, and a run that does not check invariance should not import torch for it."""
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = importlib.import_module(f"{__name__}.{_WHERE[name]}")
+    # Importing ``check`` made the package's ``check`` that module: the function wins.
+    for other, where in _WHERE.items():
+        if where == _WHERE[name]:
+            globals()[other] = getattr(module, other)
+    return globals()[name]
+
 
 __all__ = [
     "BF16_TOLERANCE",

@@ -11,6 +11,7 @@ from typing import Literal
 import torch
 
 from megatron_grpo.algo.batch import Sample
+from megatron_grpo.commands.invariance.features import FEATURES
 from megatron_grpo.config import LossConfig, ModelConfig, OptimConfig, ParallelDims, TrainConfig
 
 GROUP_SIZES = (4, 3, 3, 2)
@@ -25,8 +26,6 @@ ADAM_LR, ADAM_EPS = 1e3, 1e4
 """With the distributed optimizer every layout runs Adam whose eps dwarfs |g|: its update,
 -lr m / (sqrt(v) + eps), stays proportional to the gradient (about -0.1 g on the first
 step), so a scale error shows in the update as it would under SGD."""
-BF16_TOLERANCE = 2e-2
-"""max |delta| / max |g| allowed for a bfloat16 run against the float32 reference."""
 
 
 @dataclass(frozen=True)
@@ -60,20 +59,6 @@ class Layout:
     def __str__(self) -> str:
         ep = f"x{self.ep}" if self.ep > 1 else ""
         return f"{self.dp}x{self.tp}x{self.pp}{ep}"
-
-
-FEATURES = {
-    "distopt": "distributed optimizer (ZeRO-1) over DP, overlapped grad reduce and param "
-    "gather; every layout then runs Adam with a large eps (updates stay proportional to g) "
-    "and raw gradients, held only on each rank's shard, are not compared",
-    "sp": "sequence parallelism over TP",
-    "recompute": "full activation recomputation (uniform, one layer per group)",
-    "selective": "selective activation recomputation (core_attn)",
-    "vpp": "2 virtual pipeline stages per rank (a 4-layer model), the interleaved 1F1B "
-    "schedule with each rank's micro-batch count a multiple of PP",
-    "bf16": "bfloat16 parameters, against the float32 reference within BF16_TOLERANCE",
-}
-"""What ``--features`` can switch on, beyond DP, TP and PP themselves."""
 
 
 def parse_features(text: str) -> tuple[str, ...]:

@@ -10,7 +10,7 @@ MOE_LAYOUTS = "1x1x1x1,2x1x1x2,1x2x1x2,2x1x2x2"
 
 
 def add_parser(sub, add_config_args: Callable[[argparse.ArgumentParser], None]) -> None:
-    from megatron_grpo.commands.invariance.cases import BF16_TOLERANCE, FEATURES
+    from megatron_grpo.commands.invariance.features import BF16_TOLERANCE, FEATURES
 
     p = sub.add_parser(
         "check-invariance",

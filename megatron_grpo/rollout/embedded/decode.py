@@ -1,7 +1,7 @@
 """Batched autoregressive decoding with a Hugging Face causal LM and its KV cache.
 
 ``generate_batch`` runs a batch of sequences, each with its own sampling
-parameters and random generator, until every one has finished: stop or EOS
+parameters and seed, until every one has finished: stop or EOS
 token (kept in the output), ``max_new_tokens``, or an abort from
 ``before_step``. Prompts are left-padded into one tensor; finished rows are
 dropped from the batch and the cache so the long tail costs only its own rows.
@@ -60,67 +60,117 @@ def generate_batch(
     before_step: BeforeStep | None = None,
     on_finish: OnFinish | None = None,
 ) -> list[Completion]:
-    """Generate every sequence of ``specs``; the model must be in eval mode."""
-    completions = [Completion([], []) for _ in specs]
+    """Generate every sequence of ``specs``; the model must be in eval mode.
+
+    Every row of a batch is at the same position, so the tokens and log-probs of a
+    step go into one column of a buffer, and only the rows that finish at a step
+    are looked at one by one (their outputs turn into lists then).
+    """
+    rows = _Rows(specs, eos_token_ids, next(model.parameters()).device)
 
     def finish(row: int, reason: FinishReason) -> None:
-        completions[row].finish_reason = reason
+        rows.finish(row, reason)
         if on_finish is not None:
-            on_finish(row, completions[row])
+            on_finish(row, rows.completions[row])
 
-    rows = list(range(len(specs)))  # original index of each live batch row
     for row, spec in enumerate(specs):
         if spec.sampling.max_new_tokens == 0:
             finish(row, FinishReason(type="length", detail=0))
-    _abort(completions, before_step, finish)
-    rows = [r for r in rows if completions[r].finish_reason is None]
-    if not rows:
-        return completions
+    _abort(rows.completions, before_step, finish)
+    live = [r for r, c in enumerate(rows.completions) if c.finish_reason is None]
+    if not live:
+        return rows.completions
 
-    device = next(model.parameters()).device
-    generators = [torch.Generator(device=device).manual_seed(s.seed) for s in specs]
-    temperature = torch.tensor([s.sampling.temperature for s in specs], device=device)
-    top_k = torch.tensor([s.sampling.top_k for s in specs], device=device)
-    top_p = torch.tensor([s.sampling.top_p for s in specs], device=device)
-    stops = [
-        frozenset(s.sampling.stop_token_ids)
-        | (frozenset() if s.sampling.ignore_eos else eos_token_ids)
-        for s in specs
-    ]
-
-    step = _Stepper(model, [specs[r].prompt_ids for r in rows], device)
+    step = _Stepper(model, [specs[r].prompt_ids for r in live], rows.device)
+    index_B = torch.tensor(live, device=rows.device)
     with torch.inference_mode():
         logits_BV = step.prefill()
-        while True:
-            _abort(completions, before_step, finish)
-            index = torch.tensor(rows, device=device)
-            tokens_B = sample_next_tokens(
-                logits_BV,
-                temperature[index],
-                top_k[index],
-                top_p[index],
-                [generators[r] for r in rows],
-            )
-            logprobs_B = token_logprobs(logits_BV, tokens_B)
-            for b, r in enumerate(rows):
-                done = completions[r]
-                if done.finish_reason is not None:
-                    continue  # aborted before this step
-                token = int(tokens_B[b])
-                done.output_ids.append(token)
-                done.logprobs.append(float(logprobs_B[b]))
-                if token in stops[r]:
-                    finish(r, FinishReason(type="stop", detail=token))
-                elif len(done.output_ids) == specs[r].sampling.max_new_tokens:
-                    finish(r, FinishReason(type="length", detail=len(done.output_ids)))
-            keep = [b for b, r in enumerate(rows) if completions[r].finish_reason is None]
+        for position in range(rows.max_new):
+            _abort(rows.completions, before_step, finish)
+            tokens_B = rows.sample(logits_BV, index_B, position)
+            stop_B = (tokens_B[:, None] == rows.stops_NS[index_B]).any(dim=1)
+            length_B = rows.max_new_N[index_B] == position + 1
+            for b, reason in _finished(stop_B, length_B, tokens_B, position):
+                if rows.completions[live[b]].finish_reason is None:
+                    finish(live[b], reason)
+            keep = [b for b, r in enumerate(live) if rows.completions[r].finish_reason is None]
             if not keep:
-                return completions
-            if len(keep) < len(rows):
+                break
+            if len(keep) < len(live):
                 step.select(keep)
-                rows = [rows[b] for b in keep]
+                live = [live[b] for b in keep]
+                index_B = index_B[keep]
                 tokens_B = tokens_B[keep]
             logits_BV = step.decode(tokens_B)
+    return rows.completions
+
+
+def _finished(
+    stop_B: torch.Tensor, length_B: torch.Tensor, tokens_B: torch.Tensor, position: int
+) -> list[tuple[int, FinishReason]]:
+    """The batch rows that end at this step, with why (a stop token wins over the length)."""
+    done = torch.nonzero(stop_B | length_B).flatten().tolist()
+    if not done:
+        return []
+    stops, tokens = stop_B.tolist(), tokens_B.tolist()
+    return [
+        (b, FinishReason(type="stop", detail=tokens[b]))
+        if stops[b]
+        else (b, FinishReason(type="length", detail=position + 1))
+        for b in done
+    ]
+
+
+class _Rows:
+    """Sampling parameters of every row as tensors, and the buffers of what they generate."""
+
+    def __init__(
+        self, specs: Sequence[SequenceSpec], eos_token_ids: frozenset[int], device: torch.device
+    ) -> None:
+        self.device = device
+        self.completions = [Completion([], []) for _ in specs]
+        self.max_new = max((s.sampling.max_new_tokens for s in specs), default=0)
+        self.max_new_N = torch.tensor([s.sampling.max_new_tokens for s in specs], device=device)
+        self.temperature_N = torch.tensor([s.sampling.temperature for s in specs], device=device)
+        self.top_k_N = torch.tensor([s.sampling.top_k for s in specs], device=device)
+        self.top_p_N = torch.tensor([s.sampling.top_p for s in specs], device=device)
+        self.seed_N = torch.tensor([s.seed for s in specs], dtype=torch.long, device=device)
+        stops = [
+            sorted(
+                set(s.sampling.stop_token_ids) | (set() if s.sampling.ignore_eos else eos_token_ids)
+            )
+            for s in specs
+        ]
+        width = max((len(x) for x in stops), default=0) or 1
+        self.stops_NS = torch.tensor(
+            [x + [-1] * (width - len(x)) for x in stops], dtype=torch.long, device=device
+        )
+        self.tokens_NT = torch.zeros(len(specs), self.max_new, dtype=torch.long, device=device)
+        self.logprobs_NT = torch.zeros(len(specs), self.max_new, device=device)
+        self.generated = 0
+        """Tokens generated so far by every row still live (they all move together)."""
+
+    def sample(self, logits_BV: torch.Tensor, index_B: torch.Tensor, position: int):
+        """Draw the tokens at ``position`` of the rows ``index_B`` and record them."""
+        tokens_B = sample_next_tokens(
+            logits_BV,
+            self.temperature_N[index_B],
+            self.top_k_N[index_B],
+            self.top_p_N[index_B],
+            self.seed_N[index_B],
+            torch.full_like(index_B, position),
+        )
+        self.tokens_NT[index_B, position] = tokens_B
+        self.logprobs_NT[index_B, position] = token_logprobs(logits_BV, tokens_B)
+        self.generated = position + 1
+        return tokens_B
+
+    def finish(self, row: int, reason: FinishReason) -> None:
+        done = self.completions[row]
+        n = self.generated
+        done.output_ids = self.tokens_NT[row, :n].tolist()
+        done.logprobs = self.logprobs_NT[row, :n].tolist()
+        done.finish_reason = reason
 
 
 def _abort(
