@@ -63,7 +63,9 @@ def run(out: Path, data: Path, *, staleness: int, steps: int, args) -> list[dict
         "rollout.max_new_tokens": args.max_new_tokens,
         "advantages.dynamic_sampling": "false",
         "reward.num_workers": 1,
+        "loss.old_logprobs": "rollout",  # the off-policy correction (docs/async.md)
         "train.total_steps": steps,
+        "train.num_iterations": args.iterations,
         "train.save_interval": 0,
         "metrics.tensorboard": "false",
     }
@@ -97,6 +99,7 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=8)
+    p.add_argument("--iterations", type=int, default=1, help="train.num_iterations")
     args = p.parse_args()
     if args.quick:
         args.repeats, args.steps = 1, SKIP + 3
