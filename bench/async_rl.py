@@ -35,11 +35,13 @@ SKIP = 2
 """Steps of each run left out of the timing."""
 
 
-def assets(workdir: Path) -> Path:
+def assets(workdir: Path, *, quick: bool) -> Path:
     """The CPU demo's model, tokenizer and prompts (examples/cpu_demo/prepare.py)."""
     out = workdir / "assets"
-    script = ROOT / "examples" / "cpu_demo" / "prepare.py"
-    subprocess.run([sys.executable, str(script), "--out", str(out)], check=True)
+    argv = [sys.executable, str(ROOT / "examples" / "cpu_demo" / "prepare.py"), "--out", str(out)]
+    if quick:  # a model barely warmed up: the smoke test times nothing
+        argv += ["--warmup-steps", "1"]
+    subprocess.run(argv, check=True, capture_output=True, timeout=600)
     return out
 
 
@@ -104,7 +106,7 @@ def main() -> None:
     if args.quick:
         args.repeats, args.steps = 1, SKIP + 3
     work = Path(tempfile.mkdtemp(prefix="mgrpo_bench_async_"))
-    data = assets(work)
+    data = assets(work, quick=args.quick)
     runs: dict[str, list[dict[str, float]]] = {"sync": [], "async": []}
     modes = list(runs)
     for rep in range(args.repeats):
@@ -130,6 +132,7 @@ def main() -> None:
         "async_rl",
         args.out,
         {
+            "quick": args.quick,
             "settings": vars(args),
             "speedup": speedup,
             "runs": runs,

@@ -28,12 +28,12 @@ import itertools
 import logging
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import aiohttp
 
 from megatron_grpo import http
+from megatron_grpo.rollout.client_config import ClientConfig
 from megatron_grpo.rollout.errors import (
     RolloutBatchError,
     RolloutError,
@@ -56,50 +56,6 @@ PauseMode = Literal["abort", "retract", "in_place"]
 
 SEGMENT_SEED_STRIDE = 1_000_003
 """A resumed sample's k-th segment samples with seed + k * this."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class ClientConfig:
-    """Where the servers are and how patiently to talk to them."""
-
-    urls: tuple[str, ...]
-    """Base URLs of the servers (or of one sglang-router), e.g. ``http://127.0.0.1:30000``."""
-    max_concurrency: int = 64
-    """Most ``/generate`` requests in flight at once, over all servers."""
-    request_timeout_s: float = 600.0
-    """Limit for one ``/generate`` request, from sending to the whole answer."""
-    connect_timeout_s: float = 10.0
-    """Limit for opening a connection; a connect timeout is retried like a refusal."""
-    control_timeout_s: float = 60.0
-    """Limit for health, cache, pause, abort and info calls."""
-    weight_update_timeout_s: float = 600.0
-    """Limit for the weight-update calls, which may wait for running requests."""
-    max_retries: int = 3
-    """Retries after the first attempt, on connection errors and HTTP 5xx."""
-    backoff_initial_s: float = 0.5
-    """Wait before the first retry; it doubles on each further retry."""
-    backoff_max_s: float = 8.0
-    """Longest wait between retries."""
-
-    def __post_init__(self) -> None:
-        if not self.urls:
-            raise ValueError("ClientConfig.urls is empty: give at least one server URL")
-        for url in self.urls:
-            if not url.startswith(("http://", "https://")):
-                raise ValueError(f"server URL must start with http:// or https://, got {url!r}")
-        if self.max_concurrency < 1:
-            raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
-        if self.max_retries < 0:
-            raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
-        timeouts = {
-            "request_timeout_s": self.request_timeout_s,
-            "connect_timeout_s": self.connect_timeout_s,
-            "control_timeout_s": self.control_timeout_s,
-            "weight_update_timeout_s": self.weight_update_timeout_s,
-        }
-        for name, value in timeouts.items():
-            if not value > 0:
-                raise ValueError(f"{name} must be > 0, got {value}")
 
 
 class SGLangClient:

@@ -20,7 +20,15 @@ import pytest
 pytestmark = [pytest.mark.bench, pytest.mark.distributed]
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPTS = ("packing", "rollout", "weight_sync", "collectives", "loss_overhead", "memory")
+SCRIPTS = (
+    "packing",
+    "rollout",
+    "weight_sync",
+    "collectives",
+    "loss_overhead",
+    "memory",
+    "async_rl",
+)
 
 
 def _strict_json(path: Path) -> dict:
