@@ -1,7 +1,8 @@
 """Async HTTP client for SGLang's native API (or the embedded server, which speaks the same).
 
-One ``/generate`` request per sample (see ``protocol.py``), spread round-robin
-over the servers, at most ``max_concurrency`` at a time. Each request has a
+One ``/generate`` request per prompt group, its samples in SGLang's batch form (see
+``protocol.py``), spread round-robin over the servers, at most ``max_concurrency`` at a
+time. Each request has a
 timeout; connection failures and HTTP 5xx are retried with exponential
 backoff on the next server (``megatron_grpo.http.retrying``), HTTP 4xx is not
 retried, and a generation that times out is aborted rather than retried. A
@@ -43,10 +44,12 @@ from megatron_grpo.rollout.errors import (
     SampleFailure,
     ServerUnavailableError,
 )
+from megatron_grpo.rollout.partial import GroupFailed, Partial
 from megatron_grpo.rollout.protocol import (
     GenerateResult,
+    build_batch_payload,
     build_generate_payload,
-    parse_generate_response,
+    parse_batch_response,
 )
 from megatron_grpo.rollout.types import FinishReason, Generation, RolloutRequest
 
@@ -131,97 +134,122 @@ class SGLangClient:
         called with each sample as it finishes (on the event loop: it must not block).
         """
         batch_id = uuid.uuid4().hex[:12]
-        keys = [(p, s) for p in range(len(request.prompts)) for s in range(request.num_samples)]
-
-        async def sample(p: int, s: int) -> Generation:
-            done = await self._generate_sample(request, p, s, batch_id)
-            if on_sample is not None:
-                on_sample(done)
-            return done
-
-        outcomes = await asyncio.gather(*(sample(p, s) for p, s in keys), return_exceptions=True)
+        outcomes = await asyncio.gather(
+            *(
+                self._generate_group(request, p, batch_id, on_sample)
+                for p in range(len(request.prompts))
+            ),
+            return_exceptions=True,
+        )
         completed: list[Generation] = []
         failures: list[SampleFailure] = []
-        for (p, s), outcome in zip(keys, outcomes):
-            if isinstance(outcome, Generation):
-                completed.append(outcome)
-            elif isinstance(outcome, RolloutError):
-                failures.append(SampleFailure(p, s, outcome))
+        for p, outcome in enumerate(outcomes):
+            if isinstance(outcome, list):
+                completed += outcome
+            elif isinstance(outcome, GroupFailed):
+                completed += outcome.completed
+                failures += [SampleFailure(p, s, outcome.error) for s in outcome.failed]
             else:
                 raise outcome  # a bug, not a server failure: do not hide it
+        completed.sort(key=lambda g: (g.prompt_index, g.sample_index))
         if failures:
             raise RolloutBatchError(completed, failures)
         return completed
 
-    async def _generate_sample(
-        self, request: RolloutRequest, prompt_index: int, sample_index: int, batch_id: str
-    ) -> Generation:
-        prompt = request.prompts[prompt_index]
-        budget = request.sampling.max_new_tokens
-        output: list[int] = []
-        logprobs: list[float] = []
-        spans: list[tuple[str | None, int]] = []
+    async def _generate_group(
+        self,
+        request: RolloutRequest,
+        p: int,
+        batch_id: str,
+        on_sample: Callable[[Generation], None] | None,
+    ) -> list[Generation]:
+        """Prompt ``p``'s samples: one request for the group, then one for the samples a
+        weight update cut (each with its tokens so far), until every sample is done."""
+        prompt, budget = request.prompts[p], request.sampling.max_new_tokens
+        pending = [Partial(s) for s in range(request.num_samples)]
+        done: list[Generation] = []
         for segment in itertools.count():
             await self._open.wait()
             holds = self._holds
-            result = await self._generate_segment(
-                request,
-                prompt_index,
-                sample_index,
-                f"{batch_id}-p{prompt_index}-s{sample_index}-g{segment}",
-                prompt + tuple(output),
-                budget - len(output),
-                segment,
-            )
-            output += result.output_ids
-            logprobs += result.logprobs
-            if result.output_ids:
-                spans.append((result.weight_version, len(result.output_ids)))
-            finish = result.finish_reason
-            resumable = finish.type == "abort" and self._holds != holds
-            if not resumable:
-                break
-            if len(output) >= budget:  # stopped by the pause at the very last token
-                finish = FinishReason(type="length", detail=budget)
-                break
-        return Generation(
-            prompt_index=prompt_index,
-            sample_index=sample_index,
-            prompt_ids=tuple(prompt),
-            output_ids=tuple(output),
-            rollout_logprobs=tuple(logprobs),
-            finish_reason=finish,
-            weight_version=result.weight_version,
-            version_spans=tuple(spans),
+            rid_base = f"{batch_id}-p{p}-g{segment}"
+            try:
+                results = await self._generate_segments(request, p, pending, rid_base, segment)
+            except RolloutError as err:
+                raise GroupFailed(done, [x.sample_index for x in pending], err) from err
+            cut_short: list[Partial] = []
+            for item, result in zip(pending, results):
+                item.add(result)
+                cut = result.finish_reason.type == "abort" and self._holds != holds
+                if cut and len(item.output) < budget:
+                    cut_short.append(item)
+                    continue
+                # (stopped by the pause at the very last token: the budget is spent)
+                finish = FinishReason(type="length", detail=budget) if cut else result.finish_reason
+                done.append(item.generation(p, prompt, finish, result.weight_version))
+                if on_sample is not None:
+                    on_sample(done[-1])
+            pending = cut_short
+            if not pending:
+                return done
+        raise AssertionError("unreachable")
+
+    async def _generate_segments(
+        self,
+        request: RolloutRequest,
+        p: int,
+        pending: list[Partial],
+        rid_base: str,
+        segment: int,
+    ) -> list[GenerateResult]:
+        """The group's pending samples in one request; through sglang-router (whose
+        ``/generate`` takes one ``rid`` string) in one request each."""
+        if self.config.group_requests:
+            return await self._generate_segment(request, p, pending, rid_base, segment)
+        each = await asyncio.gather(
+            *(self._generate_segment(request, p, [x], rid_base, segment) for x in pending),
+            return_exceptions=True,
         )
+        results: list[GenerateResult] = []
+        for outcome in each:
+            if isinstance(outcome, BaseException):
+                raise outcome
+            results += outcome
+        return results
 
     async def _generate_segment(
         self,
         request: RolloutRequest,
-        prompt_index: int,
-        sample_index: int,
+        p: int,
+        pending: list[Partial],
         rid_base: str,
-        input_ids: Sequence[int],
-        max_new_tokens: int,
         segment: int,
-    ) -> GenerateResult:
-        """One ``/generate`` of a sample: all of it, or what is left after a weight update."""
-        seed = request.sample_seed(prompt_index, sample_index)
-        if seed is not None and segment:  # a resumed sample does not replay its random draws
-            seed += SEGMENT_SEED_STRIDE * segment
-        sampling = request.sampling
-        if segment:
-            sampling = dataclasses.replace(sampling, max_new_tokens=max_new_tokens)
+    ) -> list[GenerateResult]:
+        """One ``/generate`` of a group's pending samples: all of each, or what is left of
+        it after a weight update (its tokens so far added to the prompt)."""
+        items = []
+        for x in pending:
+            seed = request.sample_seed(p, x.sample_index)
+            if seed is not None and segment:  # a resumed sample does not replay its draws
+                seed += SEGMENT_SEED_STRIDE * segment
+            left = request.sampling.max_new_tokens - len(x.output)
+            sampling = dataclasses.replace(request.sampling, max_new_tokens=left)
+            items.append((request.prompts[p] + tuple(x.output), sampling, seed))
         first_server = next(self._next_url)
 
         async def attempt(k: int) -> Any:
-            # A fresh rid per attempt: the server may still hold the previous one.
-            rid = f"{rid_base}-a{k}"
-            payload = build_generate_payload(input_ids, sampling, rid=rid, seed=seed)
+            # Fresh rids per attempt: the server may still hold the previous ones.
+            rids = [f"{rid_base}-s{x.sample_index}-a{k}" for x in pending]
+            if self.config.group_requests:
+                payload = build_batch_payload(
+                    [(ids, sampling, rid, seed) for (ids, sampling, seed), rid in zip(items, rids)]
+                )
+            else:
+                ((ids, sampling, seed),) = items
+                payload = build_generate_payload(ids, sampling, rid=rids[0], seed=seed)
             # Round-robin for the first attempt; each retry moves to the next server.
             url = self._urls[(first_server + k) % len(self._urls)]
             async with self._semaphore:
-                return await self._post_generate(url, payload, rid)
+                return await self._post_generate(url, payload, rids)
 
         try:
             answer = await http.retrying(attempt, self._retry)
@@ -229,15 +257,16 @@ class SGLangClient:
             raise RolloutHTTPError(url=err.url, status=err.status, body=err.body) from err
         except http.RetriesExhausted as err:
             raise _gave_up(err) from err
-        return parse_generate_response(answer)
+        return parse_batch_response(answer, len(pending))
 
-    async def _post_generate(self, url: str, payload: dict[str, Any], rid: str) -> Any:
+    async def _post_generate(self, url: str, payload: dict[str, Any], rids: list[str]) -> Any:
         """One attempt: the decoded answer, or the error that ended it.
 
         An ``http.RequestError`` goes to the caller's retry loop (which retries
         all but 4xx); a ``RolloutError`` is final.
         """
-        self._in_flight[rid] = url
+        for rid in rids:
+            self._in_flight[rid] = url
         try:
             reply = await http.request(
                 "POST",
@@ -249,16 +278,20 @@ class SGLangClient:
             )
         except http.RequestTimedOut as err:
             # The server may still be generating: stop it there instead of retrying.
-            self._abort_in_background(url, rid)
+            for rid in rids:
+                self._abort_in_background(url, rid)
+            more = f" (and {len(rids) - 1} more)" if len(rids) > 1 else ""
             raise RolloutTimeoutError(
-                f"{url}/generate rid={rid} took longer than "
+                f"{url}/generate rid={rids[0]}{more} took longer than "
                 f"request_timeout_s={self.config.request_timeout_s}; asked the server to abort it"
             ) from err
         except asyncio.CancelledError:
-            self._abort_in_background(url, rid)
+            for rid in rids:
+                self._abort_in_background(url, rid)
             raise
         finally:
-            self._in_flight.pop(rid, None)
+            for rid in rids:
+                self._in_flight.pop(rid, None)
         reply.raise_for_status()
         return _json(reply)
 

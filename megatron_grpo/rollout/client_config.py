@@ -13,6 +13,9 @@ class ClientConfig:
     """Base URLs of the servers (or of one sglang-router), e.g. ``http://127.0.0.1:30000``."""
     max_concurrency: int = 64
     """Most ``/generate`` requests in flight at once, over all servers."""
+    group_requests: bool = True
+    """Send a prompt group's samples in one request (SGLang's batch form); False sends
+    one per sample, as sglang-router takes them."""
     request_timeout_s: float = 600.0
     """Limit for one ``/generate`` request, from sending to the whole answer."""
     connect_timeout_s: float = 10.0

@@ -2,8 +2,9 @@
 
 The request asks for what slime asks for: token ids in, ``return_logprob``
 with ``logprob_start_len: -1`` (output tokens only) and ``no_stop_trim`` (a
-matched stop token stays in ``output_ids``), one sample per HTTP request so
-that every sample has its own ``rid`` to abort and its own retry.
+matched stop token stays in ``output_ids``). The client sends a prompt's group in one
+request (SGLang's batch form), each sample with its own ``rid`` to abort and its own
+``sampling_seed``.
 """
 
 from __future__ import annotations
@@ -47,6 +48,31 @@ def build_generate_payload(
         "logprob_start_len": -1,
         "stream": False,
     }
+
+
+def build_batch_payload(
+    items: Sequence[tuple[Sequence[int], SamplingParams, str, int | None]],
+) -> dict[str, Any]:
+    """The ``/generate`` body for several samples at once, ``(input_ids, sampling, rid, seed)``
+    each: SGLang's batch form (lists of ``input_ids``, ``sampling_params`` and ``rid``),
+    answered by a list in the same order."""
+    return {
+        "rid": [rid for _, _, rid, _ in items],
+        "input_ids": [list(ids) for ids, _, _, _ in items],
+        "sampling_params": [sampling_params_to_json(s, seed=seed) for _, s, _, seed in items],
+        "return_logprob": True,
+        "logprob_start_len": -1,
+        "stream": False,
+    }
+
+
+def parse_batch_response(value: Any, count: int) -> list[GenerateResult]:
+    """The ``count`` answers of a batch request, in order."""
+    if isinstance(value, dict) and count == 1:
+        value = [value]
+    if not isinstance(value, list) or len(value) != count:
+        raise RolloutProtocolError(f"expected a list of {count} results, got {_preview(value)}")
+    return [parse_generate_response(v) for v in value]
 
 
 def finish_reason_to_json(reason: FinishReason) -> dict[str, Any]:

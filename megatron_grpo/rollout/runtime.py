@@ -25,6 +25,7 @@ push can replace them).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import shutil
@@ -92,8 +93,12 @@ class RolloutRuntime:
         self.io = IOLoop()
 
         def client(urls: tuple[str, ...]) -> SGLangClient:
+            config = client_config(cfg, urls)
+            if cfg.router_url is not None and urls == (cfg.router_url,):
+                config = dataclasses.replace(config, group_requests=False)  # the router's way
+
             async def opened() -> SGLangClient:
-                return await SGLangClient(client_config(cfg, urls)).__aenter__()
+                return await SGLangClient(config).__aenter__()
 
             return self.io.run(opened())
 

@@ -30,21 +30,32 @@ REQUEST = RolloutRequest(
 )
 
 
-def _ok(body: dict) -> web.Response:
+def _answer(input_ids: list, rid: str) -> dict:
     """A valid answer: two tokens derived from the prompt, so answers can be told apart."""
-    first = body["input_ids"][0]
-    return web.json_response(
-        {
-            "text": "",
-            "output_ids": [first, first + 1],
-            "meta_info": {
-                "id": body["rid"],
-                "finish_reason": {"type": "length", "length": 2},
-                "weight_version": "w1",
-                "output_token_logprobs": [[-0.25, first, None], [-0.5, first + 1, None]],
-            },
-        }
-    )
+    first = input_ids[0]
+    return {
+        "text": "",
+        "output_ids": [first, first + 1],
+        "meta_info": {
+            "id": rid,
+            "finish_reason": {"type": "length", "length": 2},
+            "weight_version": "w1",
+            "output_token_logprobs": [[-0.25, first, None], [-0.5, first + 1, None]],
+        },
+    }
+
+
+def _ok(body: dict) -> web.Response:
+    """A valid answer to a request for one sample or (SGLang's batch form) several."""
+    if isinstance(body["input_ids"][0], list):
+        answers = [_answer(ids, rid) for ids, rid in zip(body["input_ids"], body["rid"])]
+        return web.json_response(answers)
+    return web.json_response(_answer(body["input_ids"], body["rid"]))
+
+
+def rids(bodies: list) -> list:
+    """Every sample's rid in the requests, in order."""
+    return [r for b in bodies for r in b["rid"]]
 
 
 @dataclass
@@ -113,14 +124,35 @@ def test_requests_satisfy_contract_and_samples_come_back_in_order():
         return server, samples
 
     server, samples = asyncio.run(scenario())
-    assert len(server.bodies) == 4
+    assert len(server.bodies) == 2  # one request per prompt group
     for body in server.bodies:
         contract.validate_request(body)
-    assert len({b["rid"] for b in server.bodies}) == 4
-    assert {b["sampling_params"]["sampling_seed"] for b in server.bodies} == {7, 8, 9, 10}
+    assert len(set(rids(server.bodies))) == 4
+    seeds = [p["sampling_seed"] for b in server.bodies for p in b["sampling_params"]]
+    assert sorted(seeds) == [7, 8, 9, 10]
     assert [(s.prompt_index, s.sample_index) for s in samples] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert samples[2].prompt_ids == (4, 5) and samples[2].output_ids == (4, 5)
     assert samples[2].rollout_logprobs == (-0.25, -0.5) and samples[2].weight_version == "w1"
+
+
+def test_through_a_router_each_sample_is_a_request_of_its_own():
+    """sglang-router's /generate takes one rid string: no batch form through it."""
+
+    async def scenario():
+        async def respond(body, call):
+            return _ok(body)
+
+        async with fault_server(respond) as server:
+            async with SGLangClient(_config(server.url, group_requests=False)) as client:
+                samples = await client.generate(REQUEST)
+        return server, samples
+
+    server, samples = asyncio.run(scenario())
+    assert len(server.bodies) == 4 and all(isinstance(b["rid"], str) for b in server.bodies)
+    for body in server.bodies:
+        contract.validate_request(body)
+    assert sorted(b["sampling_params"]["sampling_seed"] for b in server.bodies) == [7, 8, 9, 10]
+    assert [(s.prompt_index, s.sample_index) for s in samples] == [(0, 0), (0, 1), (1, 0), (1, 1)]
 
 
 def test_http_500_is_retried():
@@ -137,7 +169,7 @@ def test_http_500_is_retried():
 
     server, samples = asyncio.run(scenario())
     assert len(server.bodies) == 3 and len(samples) == 1
-    assert len({b["rid"] for b in server.bodies}) == 3  # a fresh rid per attempt
+    assert len(set(rids(server.bodies))) == 3  # a fresh rid per attempt
 
 
 def test_http_500_gives_up_after_the_retries():
@@ -213,13 +245,13 @@ def test_timeout_is_not_retried_and_aborts_the_request():
     assert len(server.bodies) == 1
     assert isinstance(error.failures[0].error, RolloutTimeoutError)
     assert "request_timeout_s=0.3" in str(error)
-    assert server.aborts == [{"rid": server.bodies[0]["rid"]}]
+    assert server.aborts == [{"rid": server.bodies[0]["rid"][0]}]
 
 
 def test_partial_failure_keeps_the_completed_samples():
     async def scenario():
         async def respond(body, call):
-            if body["input_ids"][0] == 4:  # prompt 1 is refused
+            if body["input_ids"][0][0] == 4:  # prompt 1 is refused
                 return web.json_response({"error": "prompt too long"}, status=400)
             return _ok(body)
 
@@ -250,9 +282,9 @@ def test_round_robin_retries_on_the_next_server():
 
     bad, good, samples = asyncio.run(scenario())
     assert len(samples) == 4
-    # round-robin: half of the first attempts hit the broken server, and their
-    # retries land on the healthy one
-    assert len(bad.bodies) == 2 and len(good.bodies) == 4
+    # round-robin: one of the two groups' first attempts hits the broken server, and
+    # its retry lands on the healthy one
+    assert len(bad.bodies) == 1 and len(good.bodies) == 2
 
 
 def test_cancelling_generate_aborts_in_flight_requests():
@@ -274,4 +306,4 @@ def test_cancelling_generate_aborts_in_flight_requests():
             return server
 
     server = asyncio.run(scenario())
-    assert server.aborts == [{"rid": server.bodies[0]["rid"]}]
+    assert server.aborts == [{"rid": server.bodies[0]["rid"][0]}]

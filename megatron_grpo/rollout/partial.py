@@ -1,0 +1,51 @@
+"""A sample generated in segments: what it has so far, across the weight updates that cut it.
+
+A weight update while a group generates aborts its samples with their tokens so far
+(``SGLangClient.hold_generation``); each is sent again as prompt + its tokens, with the
+budget left. ``Partial`` adds up the segments: tokens, their log-probs, and the weight
+version of each run of tokens (``Generation.version_spans``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megatron_grpo.rollout.errors import RolloutError
+from megatron_grpo.rollout.protocol import GenerateResult
+from megatron_grpo.rollout.types import FinishReason, Generation
+
+
+@dataclass
+class Partial:
+    sample_index: int
+    output: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    spans: list[tuple[str | None, int]] = field(default_factory=list)
+
+    def add(self, result: GenerateResult) -> None:
+        self.output += result.output_ids
+        self.logprobs += result.logprobs
+        if result.output_ids:
+            self.spans.append((result.weight_version, len(result.output_ids)))
+
+    def generation(
+        self, prompt_index: int, prompt: tuple[int, ...], finish: FinishReason, version: str | None
+    ) -> Generation:
+        return Generation(
+            prompt_index=prompt_index,
+            sample_index=self.sample_index,
+            prompt_ids=tuple(prompt),
+            output_ids=tuple(self.output),
+            rollout_logprobs=tuple(self.logprobs),
+            finish_reason=finish,
+            weight_version=version,
+            version_spans=tuple(self.spans),
+        )
+
+
+class GroupFailed(Exception):
+    """A group's request failed: the samples it finished before, and those it did not."""
+
+    def __init__(self, completed: list[Generation], failed: list[int], error: RolloutError):
+        super().__init__(str(error))
+        self.completed, self.failed, self.error = completed, failed, error
