@@ -159,7 +159,7 @@ Hook = Callable[[EpisodeInput, EngineSession], Awaitable[Episode]]
 def sampling_params(
     cfg: RolloutConfig, *, seed: int, stop_token_ids: Sequence[int]
 ) -> SamplingParams:
-    """The run's sampling settings for one episode (its seed included)."""
+    """The run's sampling settings (a rollout's, or one episode's), its seed included."""
     return SamplingParams(
         max_new_tokens=cfg.max_new_tokens,
         temperature=cfg.temperature,

@@ -134,19 +134,13 @@ class RolloutRuntime:
 
         ``on_group(prompt_index, group)`` is called with each group as soon as its last
         sample is done (on the runtime's event loop thread: it must not block)."""
-        from megatron_grpo.rollout.types import RolloutRequest, SamplingParams
+        from megatron_grpo.rollout.hook import sampling_params
+        from megatron_grpo.rollout.types import RolloutRequest
 
         request = RolloutRequest(
             prompts=tuple(tuple(p) for p in prompts),
             num_samples=cfg.samples_per_prompt,
-            sampling=SamplingParams(
-                max_new_tokens=cfg.max_new_tokens,
-                temperature=cfg.temperature,
-                top_p=cfg.top_p,
-                top_k=cfg.top_k,
-                stop_token_ids=tuple(stop_token_ids),
-                seed=seed,
-            ),
+            sampling=sampling_params(cfg, seed=seed, stop_token_ids=stop_token_ids),
         )
         from megatron_grpo.rollout.errors import RolloutStoppedError
 
