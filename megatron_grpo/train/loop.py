@@ -65,14 +65,7 @@ def _train(cfg: Config, ctx) -> None:
         train_state.remove_partial_saves(out)  # this run holds the directory's lock
         (out / "config.yaml").write_text(dump_config(cfg))
         print(dump_config(cfg), flush=True)
-        corrected = cfg.loss.tis_level is not None or cfg.loss.old_logprobs == "rollout"
-        if cfg.rollout.max_staleness and not corrected:
-            print(
-                "megatron-grpo: warning: rollout.max_staleness >= 1 without loss.tis_level "
-                "or loss.old_logprobs=rollout: the loss does not correct for the older "
-                "policies that generated the samples (docs/async.md)",
-                flush=True,
-            )
+        _warn_if_uncorrected(cfg)
     model, optimizer, scheduler, ref_model = _learner(cfg, ctx)
     start_step, extra = 0, dict[str, Any]()
     latest = train_state.latest_checkpoint(out)
@@ -147,6 +140,18 @@ def _train(cfg: Config, ctx) -> None:
             _close(logger, rollout)
         raise
     _close(logger, rollout)
+
+
+def _warn_if_uncorrected(cfg: Config) -> None:
+    """Stale samples with no off-policy correction in the loss: say so at start."""
+    corrected = cfg.loss.tis_level is not None or cfg.loss.old_logprobs == "rollout"
+    if cfg.rollout.max_staleness and not corrected:
+        print(
+            "megatron-grpo: warning: rollout.max_staleness >= 1 without loss.tis_level "
+            "or loss.old_logprobs=rollout: the loss does not correct for the older "
+            "policies that generated the samples (docs/async.md)",
+            flush=True,
+        )
 
 
 def _learner(cfg: Config, ctx) -> tuple[list, Any, Any, list | None]:
