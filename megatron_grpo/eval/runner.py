@@ -105,17 +105,17 @@ class Evaluator:
 def build(cfg: Config, rollout, ctx) -> Evaluator | None:
     """The evaluator of a run, on the main rank when ``eval.datasets`` is set; else None.
 
-    ``rollout`` is the loop's rollout side: its runtime, scorer, tokenizer, stop tokens
-    and rollout hook (which exist on the main rank only)."""
+    ``rollout`` is the loop's rollout side: its runtime and its parts (scorer, tokenizer,
+    stop tokens, rollout hook), which exist on the main rank only."""
     if not cfg.eval.enabled or rollout is None or not ctx.is_main:
         return None
     return Evaluator(
         cfg,
         runtime=rollout.runtime,
-        scorer=rollout.scorer,
-        tokenizer=rollout.tokenizer,
-        stop_token_ids=rollout.stop,
-        hook=rollout.hook,
+        scorer=rollout.parts.scorer,
+        tokenizer=rollout.parts.tokenizer,
+        stop_token_ids=rollout.parts.stop,
+        hook=rollout.parts.hook,
     )
 
 

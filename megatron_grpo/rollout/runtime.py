@@ -32,7 +32,7 @@ import shutil
 import tempfile
 import threading
 from collections.abc import Callable, Coroutine, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -46,6 +46,17 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+class GenerationHolder(Protocol):
+    """Another process that generates with a runtime's engines (``rollout/producer.py``)."""
+
+    def hold(self) -> None:
+        """Before a weight update (returns once done): samples not yet sent wait, and
+        those the pause aborts are sent again after ``release``."""
+
+    def release(self, urls: tuple[str, ...]) -> None:
+        """After a weight update: held samples go on, with the engines at ``urls``."""
+
+
 class RolloutRuntime:
     def __init__(
         self,
@@ -57,12 +68,19 @@ class RolloutRuntime:
         weight_version: str = "0",
         model_path: str | None = None,
         model_cfg: ModelConfig | None = None,
+        attach_to: tuple[str, ...] | None = None,
     ):
         """``model_path`` fills ``{model}`` in ``cfg.launch_command``; ``model_cfg`` (and its
-        ``hf_family``) names the model in the directory a ``disk`` push writes."""
+        ``hf_family``) names the model in the directory a ``disk`` push writes.
+
+        ``attach_to``: the engines (and ``cfg.router_url``) that another process's runtime
+        started and pushes weights to; this one generates with them and starts, registers
+        and stops nothing (the rollout producer's process)."""
         from megatron_grpo.mcore import device
+        from megatron_grpo.rollout import engines
         from megatron_grpo.rollout.client import SGLangClient
         from megatron_grpo.rollout.embedded.server import start_embedded_server
+        from megatron_grpo.rollout.servers import ServerGroup
         from megatron_grpo.rollout.stage_sender import StageSender
 
         self.cfg = cfg
@@ -70,11 +88,16 @@ class RolloutRuntime:
         self.server = None
         self.servers = None
         self._model_dir: str | None = None
-        if cfg.embedded_process:
+        self.holders: list[GenerationHolder] = []
+        """Other processes that generate with these engines: a push holds them too."""
+        if attach_to is not None:
+            self.servers = ServerGroup(urls=attach_to, router_url=cfg.router_url)
+            generate_urls, weight_urls = self.servers.generate_urls, self.servers.urls
+        elif cfg.embedded_process:
             if model_cfg is None:
                 raise ValueError("embedded server processes need the policy's model config")
             # The model directory stays until close(): an engine that exits starts again.
-            self.servers, self._model_dir = _launch_embedded(cfg, model_cfg, seed=seed)
+            self.servers, self._model_dir = engines.launch_embedded(cfg, model_cfg, seed=seed)
             generate_urls = weight_urls = self.servers.urls
         elif cfg.engine == "embedded":
             if hf_model is None:
@@ -88,7 +111,7 @@ class RolloutRuntime:
             )
             generate_urls = weight_urls = (self.server.url,)
         else:
-            self.servers = _start_or_attach(cfg, model_path)
+            self.servers = engines.start_or_attach(cfg, model_path)
             generate_urls, weight_urls = self.servers.generate_urls, self.servers.urls
         self.io = IOLoop()
 
@@ -196,6 +219,8 @@ class RolloutRuntime:
 
         self._take_back_engines()
         client = self.weight_client
+        for holder in self.holders:  # before the pause: what it aborts waits for the update
+            holder.hold()
         disk_dir = None
         if self.cfg.sync_method == "disk":
             disk_dir = tempfile.mkdtemp(prefix="mgrpo_weights_", dir=self.cfg.sync_disk_dir)
@@ -263,6 +288,8 @@ class RolloutRuntime:
         finally:
             if plan.disk_dir is not None:
                 shutil.rmtree(plan.disk_dir, ignore_errors=True)
+            for holder in self.holders:
+                holder.release(client.urls)
         if not failed:
             return True
         why = "; ".join(r.error or "" for r in failed)
@@ -374,6 +401,20 @@ class RolloutRuntime:
             self.dropped = [u for u in self.dropped if u not in back]
             self._use([*self.weight_client.urls, *back])
 
+    @property
+    def engine_urls(self) -> tuple[str, ...]:
+        """Every engine's own URL, those out of use included."""
+        if self.servers is not None:
+            return self.servers.urls
+        assert self.server is not None
+        return (self.server.url,)
+
+    def use_engines(self, urls: tuple[str, ...]) -> None:
+        """Generate with the engines at ``urls`` only (those another process's pushes use)."""
+        with self._engines:
+            self.dropped = [u for u in self.weight_client.all_urls if u not in urls]
+            self._use(list(urls))
+
     def _use(self, urls: list[str]) -> None:
         # Generation too, unless a router stands in front of the engines (it routes around
         # silent ones itself).
@@ -409,61 +450,6 @@ def client_config(cfg: RolloutConfig, urls: tuple[str, ...]) -> ClientConfig:
         control_timeout_s=cfg.control_timeout_s,
         weight_update_timeout_s=cfg.weight_update_timeout_s,
     )
-
-
-def _start_or_attach(cfg: RolloutConfig, model_path: str | None):
-    """The SGLang servers of ``cfg``: started from ``launch_command``, or attached at ``urls``."""
-    from megatron_grpo.rollout.servers import LaunchConfig, attach_servers, launch_servers
-
-    if cfg.launch_command is None:
-        return attach_servers(
-            cfg.urls, router_url=cfg.router_url, timeout_s=cfg.server_startup_timeout_s
-        )
-    log_dir = cfg.server_log_dir or tempfile.mkdtemp(prefix="mgrpo_sglang_logs_")
-    return launch_servers(
-        LaunchConfig(
-            command=cfg.launch_command,
-            num_servers=cfg.num_servers,
-            host=cfg.server_host,
-            model=model_path,
-            log_dir=log_dir,
-            startup_timeout_s=cfg.server_startup_timeout_s,
-            router_url=cfg.router_url,
-        )
-    )
-
-
-def _launch_embedded(cfg: RolloutConfig, model_cfg: ModelConfig, *, seed: int):
-    """``cfg.num_servers`` embedded servers in processes of their own, started as launched
-    SGLang servers are, from the policy's config with random weights (the first push
-    gives them the policy's); and the directory of that config."""
-    import sys
-
-    from megatron_grpo.convert.hf_config import hf_config_from_model_config
-    from megatron_grpo.rollout.servers import LaunchConfig, launch_servers
-
-    model_dir = tempfile.mkdtemp(prefix="mgrpo_embedded_model_")
-    hf_config_from_model_config(model_cfg, model_cfg.hf_family).save_pretrained(model_dir)
-    batch = cfg.prompts_per_step * cfg.samples_per_prompt
-    command = (
-        f"{sys.executable} -m megatron_grpo.rollout.embedded --model-path {{model}} "
-        f"--host {{host}} --port {{port}} --load-format dummy --seed {seed} "
-        f"--max-batch-size {batch}"
-    )
-    try:
-        return launch_servers(
-            LaunchConfig(
-                command=command,
-                num_servers=cfg.num_servers,
-                host=cfg.server_host,
-                model=model_dir,
-                log_dir=cfg.server_log_dir or tempfile.mkdtemp(prefix="mgrpo_embedded_logs_"),
-                startup_timeout_s=cfg.server_startup_timeout_s,
-            )
-        ), model_dir
-    except BaseException:
-        shutil.rmtree(model_dir, ignore_errors=True)
-        raise
 
 
 def _grouped(

@@ -22,7 +22,7 @@ from megatron_grpo.mcore.optim import build_optimizer
 from megatron_grpo.mcore.parallel import broadcast_object, init_parallel
 from megatron_grpo.metrics import MetricsLogger, namespaced
 from megatron_grpo.rollout import stage as rollout_stage
-from megatron_grpo.rollout.producer import RolloutProducer
+from megatron_grpo.rollout.producer import ProducerSpec, RolloutProducer
 from megatron_grpo.train import sources
 from megatron_grpo.train import state as train_state
 from megatron_grpo.train.main_wait import MainRankWork
@@ -242,38 +242,33 @@ class _RolloutSide:
             self.producer = self._producer(start_step)
 
     def _producer(self, start_step: int) -> RolloutProducer:
-        """The rollouts of the steps after ``start_step``, made ahead on a thread of their own."""
-        return RolloutProducer(
-            self._collect,
-            sampler=self.sampler,
-            first_step=start_step + 1,
-            last_step=self.cfg.train.total_steps,
-            max_staleness=self.cfg.rollout.max_staleness,
-            weight_version=start_step,
-            stop_generation=self.runtime.stop_generation,
+        """The rollouts of the steps after ``start_step``, made ahead in a process of their
+        own; a weight push holds its generation."""
+        producer = RolloutProducer(
+            ProducerSpec(
+                cfg=self.cfg,
+                tokenizer_path=sources.tokenizer_path(self.cfg),
+                sampler_state=self.parts.sampler.state_dict(),
+                engine_urls=self.runtime.engine_urls,
+                first_step=start_step + 1,
+                last_step=self.cfg.train.total_steps,
+                weight_version=start_step,
+            )
         )
+        self.runtime.holders.append(producer)
+        return producer
 
     def _start(self, cfg: Config, extra: dict, start_step: int) -> None:
-        from transformers import AutoTokenizer
-
-        from megatron_grpo.data import PromptDataset, PromptSampler
-        from megatron_grpo.rewards import RewardScorer
         from megatron_grpo.rollout.embedded.weights import hf_model_from_config
-        from megatron_grpo.rollout.hook import load_hook
+        from megatron_grpo.rollout.parts import RolloutParts
         from megatron_grpo.rollout.runtime import RolloutRuntime
 
-        self.tokenizer = AutoTokenizer.from_pretrained(sources.tokenizer_path(cfg))
-        self.sampler = PromptSampler.from_config(PromptDataset(cfg.data, self.tokenizer))
-        if "sampler" in extra:
-            self.sampler.load_state_dict(extra["sampler"])
-        self.scorer = RewardScorer(cfg.reward)
-        self.stop = rollout_stage.stop_token_ids(self.tokenizer, cfg.rollout.stop_token_ids)
-        self.hook = load_hook(cfg.rollout, self.tokenizer)
+        self.parts = RolloutParts.build(cfg, sources.tokenizer_path(cfg), extra.get("sampler"))
         embedded = cfg.rollout.engine == "embedded" and not cfg.rollout.embedded_process
         self.runtime = RolloutRuntime(
             cfg.rollout,
             hf_model=hf_model_from_config(cfg.model) if embedded else None,
-            tokenizer=self.tokenizer,
+            tokenizer=self.parts.tokenizer,
             seed=cfg.seed,
             weight_version=str(start_step),
             model_path=sources.hf_model_path(cfg),
@@ -284,24 +279,9 @@ class _RolloutSide:
         """Step ``step``'s batch on the main rank: made now, or taken from the producer."""
         if not self.ctx.is_main:
             return None
-        return self.producer.get(step) if self.producer else self._collect(step)
-
-    def _collect(self, step: int):
-        batch = rollout_stage.collect(
-            step,
-            sampler=self.sampler,
-            runtime=self.runtime,
-            scorer=self.scorer,
-            tokenizer=self.tokenizer,
-            cfg=self.cfg.rollout,
-            adv_cfg=self.cfg.advantages,
-            seed=self.cfg.seed,
-            stop_token_ids=self.stop,
-            hook=self.hook,
-        )
-        if self.cfg.rollout.dump_dir:
-            rollout_stage.dump(batch, self.cfg.rollout.dump_dir, step)
-        return batch
+        if self.producer is not None:
+            return self.producer.get(step)
+        return self.parts.collect(step, self.runtime)
 
     def sync(self, model: list, step: int) -> None:
         """Push the policy to the engines as weight version ``step``. Collective."""
@@ -314,13 +294,17 @@ class _RolloutSide:
         batch was drawn (rollouts produced for later steps are made again on resume)."""
         if not self.ctx.is_main:
             return {}
-        sampler = self.producer.sampler_state(step) if self.producer else self.sampler.state_dict()
+        if self.producer is not None:
+            sampler = self.producer.sampler_state(step)
+        else:
+            sampler = self.parts.sampler.state_dict()
         return {"sampler": sampler}
 
     def close(self) -> None:
         if self.producer is not None:
+            self.runtime.holders.remove(self.producer)
             self.producer.close()
         self.weight_push.close()
         if self.ctx.is_main:
-            self.scorer.close()  # its worker processes, if any
+            self.parts.close()
             self.runtime.close()

@@ -1,0 +1,69 @@
+"""The SGLang-API engines of a rollout config, as a ``ServerGroup``: servers started from
+``launch_command``, servers attached to at ``urls``, or embedded servers in processes of
+their own (``rollout.embedded_server: process``)."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import tempfile
+
+from megatron_grpo.config import ModelConfig, RolloutConfig
+from megatron_grpo.rollout.servers import (
+    LaunchConfig,
+    ServerGroup,
+    attach_servers,
+    launch_servers,
+)
+
+
+def start_or_attach(cfg: RolloutConfig, model_path: str | None) -> ServerGroup:
+    """The SGLang servers of ``cfg``: started from ``launch_command``, or attached at ``urls``."""
+    if cfg.launch_command is None:
+        return attach_servers(
+            cfg.urls, router_url=cfg.router_url, timeout_s=cfg.server_startup_timeout_s
+        )
+    log_dir = cfg.server_log_dir or tempfile.mkdtemp(prefix="mgrpo_sglang_logs_")
+    return launch_servers(
+        LaunchConfig(
+            command=cfg.launch_command,
+            num_servers=cfg.num_servers,
+            host=cfg.server_host,
+            model=model_path,
+            log_dir=log_dir,
+            startup_timeout_s=cfg.server_startup_timeout_s,
+            router_url=cfg.router_url,
+        )
+    )
+
+
+def launch_embedded(
+    cfg: RolloutConfig, model_cfg: ModelConfig, *, seed: int
+) -> tuple[ServerGroup, str]:
+    """``cfg.num_servers`` embedded servers in processes of their own, started as launched
+    SGLang servers are, from the policy's config with random weights (the first push
+    gives them the policy's); and the directory of that config."""
+    from megatron_grpo.convert.hf_config import hf_config_from_model_config
+
+    model_dir = tempfile.mkdtemp(prefix="mgrpo_embedded_model_")
+    hf_config_from_model_config(model_cfg, model_cfg.hf_family).save_pretrained(model_dir)
+    batch = cfg.prompts_per_step * cfg.samples_per_prompt
+    command = (
+        f"{sys.executable} -m megatron_grpo.rollout.embedded --model-path {{model}} "
+        f"--host {{host}} --port {{port}} --load-format dummy --seed {seed} "
+        f"--max-batch-size {batch}"
+    )
+    try:
+        return launch_servers(
+            LaunchConfig(
+                command=command,
+                num_servers=cfg.num_servers,
+                host=cfg.server_host,
+                model=model_dir,
+                log_dir=cfg.server_log_dir or tempfile.mkdtemp(prefix="mgrpo_embedded_logs_"),
+                startup_timeout_s=cfg.server_startup_timeout_s,
+            )
+        ), model_dir
+    except BaseException:
+        shutil.rmtree(model_dir, ignore_errors=True)
+        raise
