@@ -65,6 +65,7 @@ def run(out: Path, data: Path, *, staleness: int, steps: int, args) -> list[dict
         "rollout.max_new_tokens": args.max_new_tokens,
         "advantages.dynamic_sampling": "false",
         "reward.num_workers": 1,
+        "rollout.producer_cpus": "[1]" if staleness else "[]",
         "loss.old_logprobs": "rollout",  # the off-policy correction (docs/async.md)
         "train.total_steps": steps,
         "train.num_iterations": args.iterations,

@@ -143,6 +143,10 @@ class RolloutConfig:
     rollouts of the next steps are generated while the learner trains (asynchronous), each
     by a policy at most k weight versions older than the one it trains; samples a weight
     update interrupts go on under the new weights (partial rollouts)."""
+    producer_cpus: list[int] = field(default_factory=list)
+    """max_staleness >= 1: the CPU cores the rollout producer's process runs on (its HTTP
+    client, decoding, rewards, advantages), e.g. the rollout side's rather than the
+    learner's; empty: the trainer's."""
     dump_dir: str | None = None
     """Write each step's training samples here (jsonl)."""
     replay_dir: str | None = None
@@ -192,6 +196,15 @@ class RolloutConfig:
             raise ValueError(
                 "rollout.hook with rollout.max_staleness >= 1 is not supported: a hook's "
                 "episodes do not record the weight versions of their turns"
+            )
+        if self.producer_cpus and not self.max_staleness:
+            raise ValueError(
+                "rollout.producer_cpus places the rollout producer's process, which runs "
+                "with rollout.max_staleness >= 1 only"
+            )
+        if any(c < 0 for c in self.producer_cpus):
+            raise ValueError(
+                f"rollout.producer_cpus must be CPU numbers >= 0, got {self.producer_cpus}"
             )
         if self.embedded_server != "auto" and self.engine != "embedded":
             raise ValueError("rollout.embedded_server is for rollout.engine=embedded")

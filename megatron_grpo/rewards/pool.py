@@ -1,18 +1,20 @@
 """Worker processes that run a synchronous reward function, each sample under a hard limit.
 
-Checking an answer can be CPU-bound (sympy) and, on a pathological answer, stuck
-in C code that no signal interrupts. Here each sample goes to one of
-``num_workers`` spawned processes; a worker still busy ``timeout_s`` after it
-took a sample is killed and replaced, and the sample's result is a
-``RewardTimeout``. Spawned, not forked: the trainer holds threads, sockets and
-torch state that a fork would copy half-way. The function travels pickled, so
-it must be importable (a module-level function or an instance of a module-level
-class); exceptions come back as raised.
+Checking an answer can be CPU-bound (sympy) and, on a pathological answer, stuck in C code
+that no signal interrupts. Here the samples go, a chunk at a time, to ``num_workers``
+spawned processes, which send each result back as soon as it is done; a worker still busy
+``timeout_s`` after its last result (or after it took the chunk) is killed and replaced, the
+sample it was on gets a ``RewardTimeout``, and the rest of its chunk goes to the workers
+again. Spawned, not forked: the trainer holds threads, sockets and torch state that a fork
+would copy half-way. The function travels pickled, so it must be importable (a module-level
+function or an instance of a module-level class); exceptions come back as raised.
 """
 
 from __future__ import annotations
 
+import math
 import multiprocessing as mp
+import pickle
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -24,25 +26,36 @@ class RewardTimeout(TimeoutError):
     """A reward function ran past its time limit on one sample."""
 
 
+CHUNKS_PER_WORKER = 4
+"""With several workers, a batch is cut into about this many chunks per worker, to spread
+uneven samples; one worker takes a batch whole."""
+
+
 def _serve(fn: Callable[..., Any], conn: Connection) -> None:
-    """A worker's loop: once started, ``READY`` out; then ``(index, args)`` in,
-    ``(index, ok, value or exception)`` out."""
+    """A worker's loop: once started, ``READY`` out; then chunks of ``(index, args)`` in,
+    ``(index, value or exception)`` out for each, in the chunk's order."""
     conn.send(READY)
     while True:
         try:
-            job = conn.recv()
+            chunk = conn.recv()
         except EOFError:  # the trainer is gone
             return
-        if job is None:
+        if chunk is None:
             return
-        index, args = job
+        for index, args in chunk:
+            conn.send((index, _call(fn, args)))
+
+
+def _call(fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+    """``fn(*args)``, or the exception it raised (as one that pickles)."""
+    try:
+        return fn(*args)
+    except Exception as e:
         try:
-            conn.send((index, True, fn(*args)))
-        except Exception as e:
-            try:
-                conn.send((index, False, e))
-            except Exception:  # an exception that does not pickle
-                conn.send((index, False, RuntimeError(f"{type(e).__name__}: {e}")))
+            pickle.dumps(e)
+            return e
+        except Exception:
+            return RuntimeError(f"{type(e).__name__}: {e}")
 
 
 READY = "ready"
@@ -59,8 +72,10 @@ class _Worker:
         self.process.start()
         child.close()
         self.started = False
-        self.job: tuple[int, float] | None = None
-        """``(sample index, deadline)`` of the sample it is running."""
+        self.chunk: deque[tuple[int, tuple[Any, ...]]] = deque()
+        """The jobs sent to it whose results have not come back, in order."""
+        self.deadline = math.inf
+        """When the sample it is on has run past the limit, at the latest."""
 
     def wait_started(self) -> None:
         """Wait for the worker's READY: a sample's time limit counts from its start, not
@@ -101,44 +116,57 @@ class WorkerPool:
     def map(self, jobs: Sequence[tuple[Any, ...]]) -> list[Any]:
         results: list[Any] = [None] * len(jobs)
         pending = deque(enumerate(jobs))
+        per_worker = CHUNKS_PER_WORKER if self.num_workers > 1 else 1
+        size = max(1, math.ceil(len(jobs) / (self.num_workers * per_worker)))
         while len(self._workers) < self.num_workers:
             self._workers.append(_Worker(self._ctx, self.fn))
-        while pending or any(w.job for w in self._workers):
+        while pending or any(w.chunk for w in self._workers):
             for worker in self._workers:
-                if worker.job is None and pending:
+                if not worker.chunk and pending:
                     worker.wait_started()
-                    index, args = pending.popleft()
-                    worker.conn.send((index, args))
-                    worker.job = (index, time.monotonic() + self.timeout_s)
-            busy = [w for w in self._workers if w.job is not None]
-            next_deadline = min(w.job[1] for w in busy if w.job is not None)
+                    worker.chunk.extend(pending.popleft() for _ in range(min(size, len(pending))))
+                    worker.conn.send(list(worker.chunk))
+                    worker.deadline = self._deadline()
+            busy = [w for w in self._workers if w.chunk]
+            next_deadline = min(w.deadline for w in busy)
             ready = wait([w.conn for w in busy], timeout=max(next_deadline - time.monotonic(), 0))
             for worker in busy:
-                assert worker.job is not None
-                index, deadline = worker.job
                 if worker.conn in ready:
-                    results[index] = self._receive(worker, index)
-                elif time.monotonic() >= deadline:
-                    results[index] = RewardTimeout(
+                    self._receive(worker, results, pending)
+                elif time.monotonic() >= worker.deadline:
+                    results[worker.chunk[0][0]] = RewardTimeout(
                         f"reward function ran past {self.timeout_s:g} s (reward.timeout_s); "
                         "its worker process was killed"
                     )
-                    self._replace(worker)
+                    self._replace(worker, pending)
         return results
 
-    def _receive(self, worker: _Worker, index: int) -> Any:
-        try:
-            got, _ok, value = worker.conn.recv()
-        except (EOFError, OSError):  # it died: killed by the OS, or a crash in C code
-            worker.process.join(timeout=1)
-            code = worker.process.exitcode
-            self._replace(worker)
-            return RuntimeError(f"reward worker process died (exit code {code})")
-        assert got == index
-        worker.job = None
-        return value  # the exception it raised when not ok
+    def _deadline(self) -> float:
+        """The sample a worker is on began when it sent its last result, or before."""
+        return time.monotonic() + self.timeout_s
 
-    def _replace(self, worker: _Worker) -> None:
+    def _receive(self, worker: _Worker, results: list[Any], pending: deque) -> None:
+        """The results ``worker`` has sent so far."""
+        while worker.chunk and worker.conn.poll():
+            try:
+                index, value = worker.conn.recv()  # the exception it raised, when it raised one
+            except (EOFError, OSError):  # it died: killed by the OS, or a crash in C code
+                worker.process.join(timeout=1)
+                code = worker.process.exitcode
+                results[worker.chunk[0][0]] = RuntimeError(
+                    f"reward worker process died (exit code {code})"
+                )
+                self._replace(worker, pending)
+                return
+            got, _ = worker.chunk.popleft()
+            assert got == index
+            results[index] = value
+        worker.deadline = self._deadline()
+
+    def _replace(self, worker: _Worker, pending: deque) -> None:
+        """Kill ``worker``, whose first job has its result; the rest go back to ``pending``."""
+        worker.chunk.popleft()
+        pending.extendleft(reversed(worker.chunk))
         worker.kill()
         self._workers[self._workers.index(worker)] = _Worker(self._ctx, self.fn)
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import os
 import pickle
 import queue
 import signal
@@ -216,6 +217,8 @@ def _produce(spec: ProducerSpec, control: Any, results: Any) -> None:
     progress = _Progress(spec.weight_version)
     parts = runtime = None
     try:
+        if spec.cfg.rollout.producer_cpus:  # before the runtime's threads and reward workers
+            _place(spec.cfg.rollout.producer_cpus)
         parts = RolloutParts.build(spec.cfg, spec.tokenizer_path, spec.sampler_state)
         runtime = RolloutRuntime(spec.cfg.rollout, seed=spec.cfg.seed, attach_to=spec.engine_urls)
     except BaseException as err:
@@ -232,6 +235,16 @@ def _produce(spec: ProducerSpec, control: Any, results: Any) -> None:
         parts.close()
     if runtime is not None:
         runtime.close()
+
+
+def _place(cpus: list[int]) -> None:
+    try:
+        os.sched_setaffinity(0, cpus)
+    except OSError as err:
+        raise ValueError(
+            f"rollout.producer_cpus={cpus}: this machine cannot run a process there ({err}; "
+            f"it has CPUs 0-{(os.cpu_count() or 1) - 1})"
+        ) from err
 
 
 def _steps(spec: ProducerSpec, parts: Any, runtime: Any, progress: _Progress, outbox) -> None:

@@ -113,6 +113,19 @@ def test_worker_processes_kill_a_stuck_sample(module):
 
 
 @pytest.mark.timeout(120)
+def test_a_stuck_sample_inside_a_chunk_times_out_alone(module):
+    """One worker takes the batch as one chunk: the sample after the stuck one is scored by
+    the worker that replaces it, and the one before keeps its result."""
+    s = scorer(module, "sync_length", num_workers=1, timeout_s=1.0, on_error="zero")
+    try:
+        result = s.score(["ab", "hang", "abc", "abcd"], [None] * 4, [{}] * 4)
+        assert result.rewards == [2.0, 0.0, 3.0, 4.0]
+        assert len(result.errors) == 1 and result.errors[0].startswith("sample 1: RewardTimeout")
+    finally:
+        s.close()
+
+
+@pytest.mark.timeout(120)
 def test_a_worker_that_dies_fails_its_sample_only(module):
     s = scorer(module, "sync_length", num_workers=1, on_error="zero")
     try:
