@@ -51,7 +51,7 @@ def run(out: Path, data: Path, *, staleness: int, steps: int, args) -> list[dict
         "--model-path {model} --host {host} --port {port} "
         f"--max-batch-size {args.prompts * args.samples}"
     )
-    overrides = {
+    overrides: dict[str, object] = {
         "output_dir": out,
         "tokenizer": data / "model",
         "train.init": data / "model",
@@ -72,6 +72,7 @@ def run(out: Path, data: Path, *, staleness: int, steps: int, args) -> list[dict
         "train.save_interval": 0,
         "metrics.tensorboard": "false",
     }
+    overrides.update(item.split("=", 1) for item in args.set)
     argv = ["taskset", "-c", "0", sys.executable, "-m", "megatron_grpo.cli", "train"]
     argv += ["--config", str(CONFIG), "--nproc", "1"]
     for key, value in overrides.items():
@@ -103,6 +104,9 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=8)
     p.add_argument("--iterations", type=int, default=1, help="train.num_iterations")
+    p.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="a config override"
+    )
     args = p.parse_args()
     if args.quick:
         args.repeats, args.steps = 1, SKIP + 3
