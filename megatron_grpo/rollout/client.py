@@ -2,15 +2,12 @@
 
 One ``/generate`` request per prompt group, its samples in SGLang's batch form (see
 ``protocol.py``), spread round-robin over the servers, at most ``max_concurrency`` at a
-time. Each request has a
-timeout; connection failures and HTTP 5xx are retried with exponential
-backoff on the next server (``megatron_grpo.http.retrying``), HTTP 4xx is not
-retried, and a generation that times out is aborted rather than retried. A
-batch in which some samples fail raises ``RolloutBatchError`` carrying the
-samples that finished.
-
-Every wait is bounded: a generation by ``request_timeout_s``, a control call
-by ``control_timeout_s`` (``weight_update_timeout_s`` for weight updates).
+time. Each request has a timeout (``request_timeout_s``); connection failures and HTTP
+5xx are retried with exponential backoff on the next server
+(``megatron_grpo.http.retrying``), HTTP 4xx is not retried, and a generation that times
+out is aborted rather than retried. A batch in which some samples fail raises
+``RolloutBatchError`` carrying the samples that finished. The control and weight-update
+calls, and the HTTP session, come from ``EngineCalls`` (``engine_calls.py``).
 
 Weight updates while samples are generating (partial rollouts): ``hold_generation``
 before the update makes new requests wait, and the pause that follows (mode ``abort``)
@@ -28,18 +25,16 @@ import dataclasses
 import itertools
 import logging
 import uuid
-from collections.abc import Callable, Sequence
-from typing import Any, Literal
-
-import aiohttp
+from collections.abc import Callable
+from typing import Any
 
 from megatron_grpo import http
 from megatron_grpo.rollout.client_config import ClientConfig
+from megatron_grpo.rollout.engine_calls import EngineCalls, decode_json
 from megatron_grpo.rollout.errors import (
     RolloutBatchError,
     RolloutError,
     RolloutHTTPError,
-    RolloutProtocolError,
     RolloutTimeoutError,
     SampleFailure,
     ServerUnavailableError,
@@ -53,59 +48,30 @@ from megatron_grpo.rollout.protocol import (
 )
 from megatron_grpo.rollout.types import FinishReason, Generation, RolloutRequest
 
-logger = logging.getLogger(__name__)
+__all__ = ["ClientConfig", "SGLangClient"]
 
-PauseMode = Literal["abort", "retract", "in_place"]
+logger = logging.getLogger(__name__)
 
 SEGMENT_SEED_STRIDE = 1_000_003
 """A resumed sample's k-th segment samples with seed + k * this."""
 
 
-class SGLangClient:
+class SGLangClient(EngineCalls):
     """A client for one or more servers; use as ``async with SGLangClient(config) as client``."""
 
     def __init__(self, config: ClientConfig) -> None:
-        self.config = config
-        self.all_urls = tuple(url.rstrip("/") for url in config.urls)
-        self._urls = self.all_urls
-        self._next_url = itertools.cycle(range(len(self._urls)))
+        super().__init__(config)
         self._retry = http.RetryPolicy(
             max_retries=config.max_retries,
             initial_s=config.backoff_initial_s,
             max_s=config.backoff_max_s,
         )
-        self._session: aiohttp.ClientSession | None = None
         self._semaphore = asyncio.Semaphore(config.max_concurrency)
         self._in_flight: dict[str, str] = {}  # rid -> url now generating it
         self._background: set[asyncio.Task[None]] = set()
         self._open = asyncio.Event()  # cleared while a weight update holds generation
         self._open.set()
         self._holds = 0  # weight updates that held generation so far
-
-    @property
-    def urls(self) -> tuple[str, ...]:
-        """The servers in use: all of ``config.urls`` unless ``use_only`` left some out."""
-        return self._urls
-
-    def use_only(self, urls: Sequence[str]) -> None:
-        """Generate on, and send control and weight calls to, only ``urls`` (some of
-        ``config.urls``, in their order) from now on."""
-        wanted = set(urls)
-        if not wanted or not wanted <= set(self.all_urls):
-            raise ValueError(f"use_only needs some of {self.all_urls}, got {list(urls)}")
-        self._urls = tuple(u for u in self.all_urls if u in wanted)
-        self._next_url = itertools.cycle(range(len(self._urls)))
-
-    async def __aenter__(self) -> SGLangClient:
-        # No connection limit here: the semaphore bounds /generate, and an abort
-        # or pause must never queue behind the generations it is meant to stop.
-        # SGLang (uvicorn) drops idle connections after 5 s; never reuse one idle that long.
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0)
-        self._session = aiohttp.ClientSession(connector=connector)
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.close()
 
     async def settle(self) -> None:
         """Wait (up to ``control_timeout_s``) for the aborts this client asked for to reach
@@ -115,9 +81,7 @@ class SGLangClient:
 
     async def close(self) -> None:
         await self.settle()
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        await super().close()
 
     # ---- generation ----
 
@@ -293,7 +257,19 @@ class SGLangClient:
             for rid in rids:
                 self._in_flight.pop(rid, None)
         reply.raise_for_status()
-        return _json(reply)
+        return decode_json(reply)
+
+    # ---- holding generation for a weight update ----
+
+    async def hold_generation(self) -> None:
+        """Before a weight update: samples not yet sent wait, and those the pause aborts
+        are sent again (with their tokens so far) after ``release_generation``."""
+        self._holds += 1
+        self._open.clear()
+
+    async def release_generation(self) -> None:
+        """After a weight update: held and aborted samples go on."""
+        self._open.set()
 
     # ---- abort ----
 
@@ -322,195 +298,6 @@ class SGLangClient:
             await self._call("POST", url, "/abort_request", {"rid": rid})
         except RolloutError as err:
             logger.warning("could not abort rid=%s on %s: %s", rid, url, err)
-
-    # ---- control ----
-
-    async def health_generate(self) -> dict[str, bool]:
-        """Per server: did ``/health_generate`` (a one-token generation) answer 200?"""
-        results = await asyncio.gather(
-            *(self._call("GET", url, "/health_generate") for url in self._urls),
-            return_exceptions=True,
-        )
-        return {url: not isinstance(r, BaseException) for url, r in zip(self._urls, results)}
-
-    async def flush_cache(self) -> None:
-        await self._fan_out("POST", "/flush_cache", None)
-
-    async def hold_generation(self) -> None:
-        """Before a weight update: samples not yet sent wait, and those the pause aborts
-        are sent again (with their tokens so far) after ``release_generation``."""
-        self._holds += 1
-        self._open.clear()
-
-    async def release_generation(self) -> None:
-        """After a weight update: held and aborted samples go on."""
-        self._open.set()
-
-    async def pause_generation(self, mode: PauseMode = "abort") -> None:
-        """Stop generating on every server; ``abort`` (SGLang's default) ends running requests."""
-        await self._fan_out("POST", "/pause_generation", {"mode": mode})
-
-    async def continue_generation(self) -> None:
-        await self._fan_out("POST", "/continue_generation", {})
-
-    async def begin_weight_update(self) -> None:
-        """Open a weight-update session (SGLang 0.5.23 refuses tensor updates outside one)."""
-        await self._fan_out("POST", "/begin_weight_update", {}, weight_update=True)
-
-    async def end_weight_update(self) -> None:
-        await self._fan_out("POST", "/end_weight_update", {}, weight_update=True)
-
-    async def update_weights_from_disk(
-        self, model_path: str, *, weight_version: str, load_format: str | None = None
-    ) -> None:
-        """Every server loads the HF checkpoint at ``model_path`` and reports ``weight_version``."""
-        body: dict[str, Any] = {"model_path": model_path, "weight_version": weight_version}
-        if load_format is not None:
-            body["load_format"] = load_format
-        await self._fan_out("POST", "/update_weights_from_disk", body, weight_update=True)
-
-    async def update_weights_from_tensor(self, payload: Any, *, url: str) -> None:
-        """Send an already built ``/update_weights_from_tensor`` request to one server: a
-        JSON body (SGLang's) or the embedded server's ``TensorUpdate``."""
-        from urllib.parse import urlencode
-
-        from megatron_grpo.rollout.embedded.weights import TensorUpdate
-
-        if isinstance(payload, TensorUpdate):
-            path = f"/update_weights_from_tensor?{urlencode(payload.query)}"
-            await self._call("POST", url, path, payload.body, weight_update=True)
-            return
-        await self._call(
-            "POST", url, "/update_weights_from_tensor", dict(payload), weight_update=True
-        )
-
-    async def init_weights_update_group(
-        self,
-        *,
-        url: str,
-        master_address: str,
-        master_port: int,
-        rank_offset: int,
-        world_size: int,
-        group_name: str,
-        backend: str,
-    ) -> None:
-        """Ask one server to join the trainer's process group (the trainer is rank 0).
-
-        The server blocks until the trainer joins too, so start this call as a
-        task and join the group before awaiting it.
-        """
-        body = {
-            "master_address": master_address,
-            "master_port": master_port,
-            "rank_offset": rank_offset,
-            "world_size": world_size,
-            "group_name": group_name,
-            "backend": backend,
-        }
-        await self._call("POST", url, "/init_weights_update_group", body, weight_update=True)
-
-    async def update_weights_from_distributed(
-        self,
-        *,
-        names: Sequence[str],
-        dtypes: Sequence[str],
-        shapes: Sequence[Sequence[int]],
-        group_name: str,
-        weight_version: str,
-    ) -> None:
-        """Announce tensors that the trainer then broadcasts; start as a task, then broadcast."""
-        body = {
-            "names": list(names),
-            "dtypes": list(dtypes),
-            "shapes": [list(s) for s in shapes],
-            "group_name": group_name,
-            "weight_version": weight_version,
-        }
-        await self._fan_out("POST", "/update_weights_from_distributed", body, weight_update=True)
-
-    async def destroy_weights_update_group(self, group_name: str) -> None:
-        body = {"group_name": group_name}
-        await self._fan_out("POST", "/destroy_weights_update_group", body, weight_update=True)
-
-    async def get_weights_by_name(self, name: str, *, truncate_size: int, url: str) -> Any:
-        """One server's weight ``name`` as nested lists, cut to ``truncate_size`` rows."""
-        body = {"name": name, "truncate_size": truncate_size}
-        return await self._call("POST", url, "/get_weights_by_name", body, weight_update=True)
-
-    async def model_info(self, url: str | None = None) -> dict[str, Any]:
-        return await self._call("GET", url or self._urls[0], "/model_info")
-
-    async def server_info(self, url: str | None = None) -> dict[str, Any]:
-        return await self._call("GET", url or self._urls[0], "/server_info")
-
-    # ---- plumbing ----
-
-    def _require_session(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            raise RuntimeError("SGLangClient is not open: use `async with SGLangClient(...)`")
-        return self._session
-
-    async def _fan_out(
-        self,
-        method: str,
-        path: str,
-        body: dict[str, Any] | None,
-        *,
-        urls: Sequence[str] | None = None,
-        weight_update: bool = False,
-    ) -> dict[str, Any]:
-        """Call every server concurrently; raise the first failure once all have answered."""
-        targets = tuple(urls or self._urls)
-        results = await asyncio.gather(
-            *(self._call(method, u, path, body, weight_update=weight_update) for u in targets),
-            return_exceptions=True,
-        )
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result
-        return dict(zip(targets, results))
-
-    async def _call(
-        self,
-        method: str,
-        url: str,
-        path: str,
-        body: dict[str, Any] | bytes | None = None,
-        *,
-        weight_update: bool = False,
-    ) -> Any:
-        """One control request, not retried: JSON answer (or text), or a RolloutError."""
-        limit = (
-            self.config.weight_update_timeout_s if weight_update else self.config.control_timeout_s
-        )
-        try:
-            reply = await http.request(
-                method,
-                f"{url}{path}",
-                body,
-                timeout_s=limit,
-                connect_timeout_s=self.config.connect_timeout_s,
-                session=self._require_session(),
-            )
-        except http.RequestTimedOut as err:
-            raise RolloutTimeoutError(f"{url}{path} took longer than {limit} s") from err
-        except http.RequestError as err:
-            raise ServerUnavailableError(str(err)) from err
-        if reply.status >= 400:
-            raise RolloutHTTPError(url=reply.url, status=reply.status, body=reply.text)
-        is_json = reply.content_type == "application/json"
-        answer = _json(reply) if is_json and reply.text else reply.text
-        if isinstance(answer, dict) and answer.get("success") is False:
-            raise RolloutHTTPError(url=reply.url, status=reply.status, body=reply.text)
-        return answer
-
-
-def _json(reply: http.Reply) -> Any:
-    try:
-        return reply.json()
-    except ValueError as err:
-        raise RolloutProtocolError(str(err)) from err
 
 
 def _gave_up(exhausted: http.RetriesExhausted) -> RolloutError:
