@@ -1,14 +1,17 @@
 """Asynchronous RL (rollout.max_staleness=1) vs the synchronous loop, on the CPU demo.
 
-    python bench/async_rl.py                  # 2 repeats x 12 steps of each mode
+    python bench/async_rl.py                  # 3 repeats x 30 steps of each mode
     python bench/async_rl.py --quick
 
 Each run is ``megatron-grpo train`` itself (1 learner process), pinned to CPU core 0 with
-``taskset``, while its rollout engine, an embedded server in a process of its own launched
-by the trainer (``rollout.launch_command``), is pinned to core 1: the learner and the
-engine each have one core, as they would have their own GPUs. The rollout is sized so that
-generating it takes about as long as training on it (``--max-new-tokens``). The modes run
-interleaved, in rotating order.
+``taskset``, while the rollout side is pinned to core 1: its engine, an embedded server in
+a process of its own launched by the trainer (``rollout.launch_command``), and with
+staleness 1 the rollout producer's process (``rollout.producer_cpus``: HTTP client,
+decoding, rewards, advantages) with its reward worker. The learner and the rollout side
+each have one core, as they would have their own GPUs and hosts; in the synchronous loop
+the rollout's client side runs in the trainer, on core 0, while the learner waits.
+Training is sized to take about as long as the rollout side's step (``--iterations``
+optimizer passes over each rollout). The modes run interleaved, in rotating order.
 
 Reported: RL steps per second with staleness 1 / synchronous (target >= 1.4), and for each
 mode the learner's idle fraction: the share of a step it spends waiting for its rollout
@@ -66,7 +69,10 @@ def run(out: Path, data: Path, *, staleness: int, steps: int, args) -> list[dict
         "advantages.dynamic_sampling": "false",
         "reward.num_workers": 1,
         "rollout.producer_cpus": "[1]" if staleness else "[]",
-        "loss.old_logprobs": "rollout",  # the off-policy correction (docs/async.md)
+        # The off-policy correction (docs/async.md): the PPO ratio against the policy being
+        # trained, importance weights against the engine's.
+        "loss.old_logprobs": "learner",
+        "loss.tis_level": "token",
         "train.total_steps": steps,
         "train.num_iterations": args.iterations,
         "train.save_interval": 0,
@@ -98,12 +104,12 @@ def timing(rows: list[dict]) -> dict[str, float]:
 
 def main() -> None:
     p = parser(__doc__)
-    p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--steps", type=int, default=30)
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=8)
-    p.add_argument("--iterations", type=int, default=1, help="train.num_iterations")
+    p.add_argument("--iterations", type=int, default=5, help="train.num_iterations")
     p.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="a config override"
     )

@@ -117,16 +117,6 @@ class Config:
                 f"rollout.samples_per_prompt={self.rollout.samples_per_prompt}: "
                 "a prompt group must not be split across optimizer steps"
             )
-        if (
-            self.rollout.max_staleness
-            and self.reward.type == "math"
-            and not self.reward.num_workers
-        ):
-            raise ValueError(
-                "rollout.max_staleness >= 1 scores rewards on the rollout producer's thread, "
-                "where the math reward's time limit (signal.alarm) cannot run: set "
-                "reward.num_workers >= 1"
-            )
         if self.eval.enabled and self.rollout.replay_dir is not None:
             raise ValueError("eval.datasets needs rollout engines: unset rollout.replay_dir")
         longest = (self.data.max_prompt_length or 0) + self.rollout.max_new_tokens

@@ -1,9 +1,10 @@
 """An asyncio event loop on a thread of its own, which any other thread can run coroutines on.
 
 The rollout runtime's HTTP clients live on one loop for their whole life (aiohttp sessions
-are bound to the loop that made them). With the loop on its own thread, the main thread can
-push weights (pause, update, continue) while a producer thread waits for generations on the
-same clients.
+are bound to the loop that made them). With the loop on its own thread, one thread can
+wait for generations on the clients while another uses them too: the rollout producer's
+main thread generates while its control thread holds and releases that generation for the
+learner's weight pushes.
 """
 
 from __future__ import annotations

@@ -256,6 +256,11 @@ class _RolloutSide:
             )
         )
         self.runtime.holders.append(producer)
+        print(
+            f"megatron-grpo: rollout producer process {producer.pid}: the rollouts of up to "
+            f"{self.cfg.rollout.max_staleness + 1} steps ahead",
+            flush=True,
+        )
         return producer
 
     def _start(self, cfg: Config, extra: dict, start_step: int) -> None:

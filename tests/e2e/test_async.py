@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -138,3 +139,39 @@ def test_staleness_within_k_a_killed_engine_started_again_and_resume(tmp_path, a
     assert [row["step"] for row in resumed] == [3, 4, 5, 6]
     for step in (3, 4, 5, 6):
         assert prompts(cut / "dump", step) == prompts(full / "dump", step)
+
+
+def test_a_killed_producer_stops_the_run_naming_it(tmp_path, assets):
+    """kill -9 of the rollout producer's process once step 1 is logged: the run stops with
+    an error that says so, and the steps it trained stay logged. The math reward scores in
+    the producer's process itself (no reward workers): its time limit needs a main thread."""
+    out, log = tmp_path / "run", tmp_path / "output.txt"
+    argv = demo_argv(
+        out,
+        assets,
+        *ONE_PROCESS,
+        "advantages.dynamic_sampling=false",
+        "rollout.max_staleness=1",
+        "train.total_steps=30",
+        nproc=1,
+    )
+    with log.open("w") as sink:
+        trainer = subprocess.Popen(argv, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT)
+        try:
+            metrics = out / "metrics.jsonl"
+            deadline = time.monotonic() + 240
+            while not (metrics.exists() and metrics.read_text().strip()):
+                assert trainer.poll() is None and time.monotonic() < deadline, log.read_text()
+                time.sleep(0.2)
+            found = re.search(r"rollout producer process (\d+)", log.read_text())
+            assert found, log.read_text()[-3000:]
+            os.kill(int(found.group(1)), signal.SIGKILL)
+            trainer.wait(timeout=240)
+        finally:
+            if trainer.poll() is None:
+                trainer.kill()
+    output = log.read_text()
+    assert trainer.returncode != 0, output[-3000:]
+    assert "the rollout producer's process exited (exit code -9)" in output, output[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert 1 <= len(rows) < 30 and rows[0]["step"] == 1

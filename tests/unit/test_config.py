@@ -325,15 +325,20 @@ def test_moe_layout_refusals_are_named_when_the_config_is_built():
 
 
 def test_asynchronous_rl_options_and_their_refusals_are_named():
-    cfg = load_config(None, ["rollout.max_staleness=2", "reward.num_workers=1"])
+    cfg = load_config(None, ["rollout.max_staleness=2", "rollout.producer_cpus=[0]"])
     assert cfg.rollout.embedded_process  # auto: generation beside training
+    assert cfg.rollout.producer_cpus == [0]
     assert not load_config(None, []).rollout.embedded_process
     thread = ["rollout.max_staleness=1", "reward.num_workers=1", "rollout.embedded_server=thread"]
     assert not load_config(None, thread).rollout.embedded_process
     cases = {
         "rollout.max_staleness must be >= 0, got -1": ["rollout.max_staleness=-1"],
-        "where the math reward's time limit (signal.alarm) cannot run: set reward.num_workers": [
-            "rollout.max_staleness=1"
+        "rollout.producer_cpus places the rollout producer's process, which runs": [
+            "rollout.producer_cpus=[1]"
+        ],
+        "rollout.producer_cpus must be CPU numbers >= 0, got [-1]": [
+            "rollout.max_staleness=1",
+            "rollout.producer_cpus=[-1]",
         ],
         "rollout.embedded_server is for rollout.engine=embedded": [
             "rollout.engine=sglang",
