@@ -54,9 +54,45 @@ class Sample:
     def __len__(self) -> int:
         return self.tokens.numel()
 
+    def __reduce__(self):
+        """Pickled with its tensors as bytes: a tensor pickles through torch.save's
+        machinery, about 1 ms a sample both ways, and batches cross processes (the rollout
+        producer's pipe, ``broadcast_object`` to the other ranks)."""
+        tensors = (self.tokens, self.loss_mask, self.rollout_logprobs)
+        packed = tuple(None if t is None else (t.dtype, _raw(t)) for t in tensors)
+        return _unpickle_sample, (*packed, self.advantage, self.group, self.sample_id)
+
     @property
     def num_loss_tokens(self) -> int:
         return int(self.loss_mask.sum())
+
+
+def _raw(t: Tensor) -> bytes:
+    """The bytes of a 1-D CPU tensor, whatever its dtype (numpy has no bfloat16)."""
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def _unpickle_sample(tokens, loss_mask, rollout_logprobs, advantage, group, sample_id) -> Sample:
+    """A pickled ``Sample`` again (checked when it was made)."""
+
+    def tensor(packed: tuple[torch.dtype, bytes] | None) -> Tensor | None:
+        if packed is None:
+            return None
+        dtype, data = packed
+        return (
+            torch.frombuffer(bytearray(data), dtype=dtype) if data else torch.empty(0, dtype=dtype)
+        )
+
+    sample = object.__new__(Sample)
+    sample.__dict__.update(
+        tokens=tensor(tokens),
+        loss_mask=tensor(loss_mask),
+        advantage=advantage,
+        group=group,
+        sample_id=sample_id,
+        rollout_logprobs=tensor(rollout_logprobs),
+    )
+    return sample
 
 
 @dataclass(kw_only=True)

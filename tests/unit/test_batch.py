@@ -92,3 +92,40 @@ def test_an_idle_micro_batch_is_one_row_of_padding_with_a_zero_loss_weight():
     assert bool((mb.seg == -1).all()) and float(mb.loss_mask.sum()) == 0
     assert mb.group_ids.dtype == torch.long
     assert token_values(torch.zeros(0), mb.seg).tolist() == [[0.0, 0.0]]
+
+
+def test_a_sample_pickles_as_raw_bytes_and_comes_back_equal():
+    """Batches cross processes (the rollout producer, broadcast_object): a sample pickles
+    its tensors as bytes, not through torch.save's per-tensor machinery."""
+    import pickle
+
+    samples = [
+        Sample(
+            tokens=torch.tensor([5, 6, 7, 8]),
+            loss_mask=torch.tensor([0.0, 0.0, 1.0, 1.0]),
+            advantage=-0.25,
+            group=3,
+            sample_id=7,
+            rollout_logprobs=torch.tensor([0.0, 0.0, -1.5, -0.125]).to(torch.bfloat16),
+        ),
+        Sample(
+            tokens=torch.tensor([1, 2]),
+            loss_mask=torch.tensor([0.0, 1.0]),
+            advantage=1.0,
+            group=0,
+            sample_id=0,
+        ),  # fmt: skip
+    ]
+    data = pickle.dumps(samples)
+    assert b"_rebuild_tensor" not in data and b"torch.storage" not in data
+    for before, after in zip(samples, pickle.loads(data), strict=True):
+        for name in ("tokens", "loss_mask", "rollout_logprobs"):
+            a, b = getattr(before, name), getattr(after, name)
+            assert (a is None and b is None) or (a.dtype == b.dtype and torch.equal(a, b))
+        assert (after.advantage, after.group, after.sample_id) == (
+            before.advantage,
+            before.group,
+            before.sample_id,
+        )
+        after.tokens[0] = 9  # writable, and its own memory
+        assert before.tokens[0] != 9
