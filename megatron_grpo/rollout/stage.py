@@ -45,6 +45,7 @@ def _to_samples(
     mask_truncated: bool,
 ) -> list[Sample]:
     out: list[Sample] = []
+    advantage_GN = advantages.tolist()  # one call, not two tensor ops a sample
     for g, group in enumerate(generations):
         for k, gen in enumerate(group):
             prompt, output = list(gen.prompt_ids), list(gen.output_ids)
@@ -57,7 +58,7 @@ def _to_samples(
                 Sample(
                     tokens=torch.tensor(prompt + output, dtype=torch.long),
                     loss_mask=torch.tensor(mask),
-                    advantage=float(advantages[g, k]),
+                    advantage=float(advantage_GN[g][k]),
                     group=g,
                     sample_id=len(out),
                     rollout_logprobs=torch.tensor([0.0] * len(prompt) + list(gen.rollout_logprobs)),
@@ -86,12 +87,13 @@ def length_by_advantage(generations: list[list[Any]], advantages: torch.Tensor) 
     A side with no sample (all groups flat) is left out.
     """
     out: dict[str, float] = {}
+    advantage_GN = advantages.tolist()
     for name, sign in (("pos", 1), ("neg", -1)):
         picked = [
             len(gen.output_ids)
             for g, group in enumerate(generations)
             for k, gen in enumerate(group)
-            if float(advantages[g, k]) * sign > 0
+            if advantage_GN[g][k] * sign > 0
         ]
         if picked:
             out[f"response_length_{name}_adv_mean"] = sum(picked) / len(picked)
