@@ -41,6 +41,7 @@ from multiprocessing import connection
 from typing import Any
 
 from megatron_grpo.config import Config
+from megatron_grpo.heap import freeze_startup_objects
 from megatron_grpo.rollout.stage import RolloutBatch
 
 HOLD_TIMEOUT_S = 120.0
@@ -225,6 +226,7 @@ def _produce(spec: ProducerSpec, control: Any, results: Any) -> None:
         outbox.put(_error(None, err))
     if runtime is not None:
         threading.Thread(target=_obey, args=(control, runtime, progress), daemon=True).start()
+        freeze_startup_objects()
         _steps(spec, parts, runtime, progress, outbox)
     else:
         threading.Thread(target=_obey, args=(control, None, progress), daemon=True).start()

@@ -16,6 +16,7 @@ from typing import Any
 
 from megatron_grpo.config import Config, dump_config, to_dict
 from megatron_grpo.eval import runner as evaluation
+from megatron_grpo.heap import freeze_startup_objects
 from megatron_grpo.mcore.layers import have_transformer_engine
 from megatron_grpo.mcore.model import build_model, sync_params
 from megatron_grpo.mcore.optim import build_optimizer
@@ -97,6 +98,7 @@ def _train(cfg: Config, ctx) -> None:
 
         if start_step == 0 and (initial := evaluate(0)):
             logger.log(0, namespaced("eval", initial))
+        freeze_startup_objects()
         for step in range(start_step + 1, cfg.train.total_steps + 1):
             t0 = time.perf_counter()
             batch = _step_batch(cfg, ctx, rollout, main_work, step)

@@ -13,6 +13,7 @@ import argparse
 import signal
 import threading
 
+from megatron_grpo.heap import freeze_startup_objects
 from megatron_grpo.rollout.embedded.server import start_embedded_server
 
 
@@ -40,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         max_batch_size=args.max_batch_size,
         weight_version=args.weight_version,
     )
+    freeze_startup_objects()
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     print(f"embedded server ready at {handle.url}", flush=True)
