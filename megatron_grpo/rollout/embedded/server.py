@@ -21,6 +21,8 @@ Differences from SGLang worth knowing:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import copy
 import functools
 import os
@@ -114,14 +116,11 @@ class _Server:
         except ValueError as err:  # BadRequest, and json.JSONDecodeError too
             return web.json_response({"error": str(err)}, status=400)
         try:
-            futures = [
-                asyncio.wrap_future(self.engine.submit(i.rid, i.prompt_ids, i.sampling))
-                for i in parsed.items
-            ]
+            futures = [self.engine.submit(i.rid, i.prompt_ids, i.sampling) for i in parsed.items]
         except RuntimeError as err:
             return web.json_response({"error": str(err)}, status=503)
         try:
-            finished = await asyncio.wait_for(asyncio.gather(*futures), self.generate_timeout_s)
+            finished = await asyncio.wait_for(_all_finished(futures), self.generate_timeout_s)
         except asyncio.TimeoutError:  # builtin TimeoutError only from Python 3.11
             return web.json_response(
                 {"error": f"generation took longer than {self.generate_timeout_s} s"}, status=504
@@ -454,3 +453,37 @@ def _eos_token_ids(model: PreTrainedModel) -> frozenset[int]:
     if eos is None:
         return frozenset()
     return frozenset([eos] if isinstance(eos, int) else eos)
+
+
+async def _all_finished(futures: list[concurrent.futures.Future[Finished]]) -> list[Finished]:
+    """The engine's results for a request's samples, in order. The event loop wakes once,
+    when the last is done (not once a sample); cancelled, it cancels them all, which
+    aborts them. The first failure is raised."""
+    if not futures:
+        return []
+    loop = asyncio.get_running_loop()
+    waiter = loop.create_future()
+    left = [len(futures)]
+    lock = threading.Lock()
+
+    def wake() -> None:
+        if not waiter.done():
+            waiter.set_result(None)
+
+    def one_done(_: concurrent.futures.Future[Finished]) -> None:
+        with lock:  # the engine's thread and this loop's (a cancel) both finish futures
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits
+                loop.call_soon_threadsafe(wake)
+
+    for future in futures:
+        future.add_done_callback(one_done)
+    try:
+        await waiter
+    except asyncio.CancelledError:
+        for future in futures:
+            future.cancel()
+        raise
+    return [future.result() for future in futures]
