@@ -41,6 +41,8 @@ from megatron_grpo.rollout.io_loop import IOLoop
 
 if TYPE_CHECKING:
     from megatron_grpo.rollout.client import ClientConfig
+    from megatron_grpo.rollout.embedded.server import EmbeddedServerHandle
+    from megatron_grpo.rollout.servers import ServerGroup
     from megatron_grpo.rollout.stage_sender import StageReport, SyncPlan
 
 logger = logging.getLogger(__name__)
@@ -77,42 +79,24 @@ class RolloutRuntime:
         started and pushes weights to; this one generates with them and starts, registers
         and stops nothing (the rollout producer's process)."""
         from megatron_grpo.mcore import device
-        from megatron_grpo.rollout import engines
         from megatron_grpo.rollout.client import SGLangClient
-        from megatron_grpo.rollout.embedded.server import start_embedded_server
-        from megatron_grpo.rollout.servers import ServerGroup
         from megatron_grpo.rollout.stage_sender import StageSender
 
         self.cfg = cfg
         self.model_cfg = model_cfg
-        self.server = None
-        self.servers = None
+        self.server: EmbeddedServerHandle | None = None
+        self.servers: ServerGroup | None = None
         self._model_dir: str | None = None
         self.holders: list[GenerationHolder] = []
         """Other processes that generate with these engines: a push holds them too."""
-        if attach_to is not None:
-            self.servers = ServerGroup(urls=attach_to, router_url=cfg.router_url)
-            generate_urls, weight_urls = self.servers.generate_urls, self.servers.urls
-        elif cfg.embedded_process:
-            if model_cfg is None:
-                raise ValueError("embedded server processes need the policy's model config")
-            # The model directory stays until close(): an engine that exits starts again.
-            self.servers, self._model_dir = engines.launch_embedded(cfg, model_cfg, seed=seed)
-            generate_urls = weight_urls = self.servers.urls
-        elif cfg.engine == "embedded":
-            if hf_model is None:
-                raise ValueError("the embedded rollout engine needs the policy as a HF model")
-            self.server = start_embedded_server(
-                hf_model,
-                tokenizer=tokenizer,
-                weight_version=weight_version,
-                seed=seed,
-                max_batch_size=max(cfg.prompts_per_step * cfg.samples_per_prompt, 1),
-            )
-            generate_urls = weight_urls = (self.server.url,)
-        else:
-            self.servers = engines.start_or_attach(cfg, model_path)
-            generate_urls, weight_urls = self.servers.generate_urls, self.servers.urls
+        generate_urls, weight_urls = self._start_engines(
+            hf_model=hf_model,
+            tokenizer=tokenizer,
+            seed=seed,
+            weight_version=weight_version,
+            model_path=model_path,
+            attach_to=attach_to,
+        )
         self.io = IOLoop()
 
         def client(urls: tuple[str, ...]) -> SGLangClient:
@@ -143,6 +127,39 @@ class RolloutRuntime:
             functools.partial(client_config, cfg), 0, backend=device.distributed_backend()
         )
         """The sender of pipeline stage 0 (this process, the main rank)."""
+
+    def _start_engines(
+        self, *, hf_model, tokenizer, seed, weight_version, model_path, attach_to
+    ) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """Start or attach to the engines (``__init__``'s arguments); the URLs generation
+        goes to, and those weight updates go to."""
+        from megatron_grpo.rollout import engines
+        from megatron_grpo.rollout.embedded.server import start_embedded_server
+        from megatron_grpo.rollout.servers import ServerGroup
+
+        cfg = self.cfg
+        if attach_to is not None:
+            self.servers = ServerGroup(urls=attach_to, router_url=cfg.router_url)
+            return self.servers.generate_urls, self.servers.urls
+        if cfg.embedded_process:
+            if self.model_cfg is None:
+                raise ValueError("embedded server processes need the policy's model config")
+            # The model directory stays until close(): an engine that exits starts again.
+            self.servers, self._model_dir = engines.launch_embedded(cfg, self.model_cfg, seed=seed)
+            return self.servers.urls, self.servers.urls
+        if cfg.engine == "embedded":
+            if hf_model is None:
+                raise ValueError("the embedded rollout engine needs the policy as a HF model")
+            self.server = start_embedded_server(
+                hf_model,
+                tokenizer=tokenizer,
+                weight_version=weight_version,
+                seed=seed,
+                max_batch_size=max(cfg.prompts_per_step * cfg.samples_per_prompt, 1),
+            )
+            return (self.server.url,), (self.server.url,)
+        self.servers = engines.start_or_attach(cfg, model_path)
+        return self.servers.generate_urls, self.servers.urls
 
     def generate_groups(
         self,

@@ -62,11 +62,7 @@ def _lock_output_dir(cfg: Config, ctx) -> RunLock | None:
 def _train(cfg: Config, ctx) -> None:
     out = Path(cfg.output_dir)
     if ctx.is_main:
-        out.mkdir(parents=True, exist_ok=True)
-        train_state.remove_partial_saves(out)  # this run holds the directory's lock
-        (out / "config.yaml").write_text(dump_config(cfg))
-        print(dump_config(cfg), flush=True)
-        _warn_if_uncorrected(cfg)
+        _start_output_dir(cfg, out)
     model, optimizer, scheduler, ref_model = _learner(cfg, ctx)
     start_step, extra = 0, dict[str, Any]()
     latest = train_state.latest_checkpoint(out)
@@ -142,6 +138,15 @@ def _train(cfg: Config, ctx) -> None:
             _close(logger, rollout)
         raise
     _close(logger, rollout)
+
+
+def _start_output_dir(cfg: Config, out: Path) -> None:
+    """The main rank's start: the output directory, its config.yaml, the config printed."""
+    out.mkdir(parents=True, exist_ok=True)
+    train_state.remove_partial_saves(out)  # this run holds the directory's lock
+    (out / "config.yaml").write_text(dump_config(cfg))
+    print(dump_config(cfg), flush=True)
+    _warn_if_uncorrected(cfg)
 
 
 def _warn_if_uncorrected(cfg: Config) -> None:
