@@ -224,12 +224,10 @@ def _produce(spec: ProducerSpec, control: Any, results: Any) -> None:
         runtime = RolloutRuntime(spec.cfg.rollout, seed=spec.cfg.seed, attach_to=spec.engine_urls)
     except BaseException as err:
         outbox.put(_error(None, err))
+    threading.Thread(target=_obey, args=(control, runtime, progress), daemon=True).start()
     if runtime is not None:
-        threading.Thread(target=_obey, args=(control, runtime, progress), daemon=True).start()
         freeze_startup_objects()
         _steps(spec, parts, runtime, progress, outbox)
-    else:
-        threading.Thread(target=_obey, args=(control, None, progress), daemon=True).start()
     progress.wait_closed()
     outbox.put(None)
     sender.join(timeout=CLOSE_WAIT_S)
