@@ -322,6 +322,11 @@ class RewardConfig:
     max_concurrency: int = 64
     """An async custom function (``async def``) is awaited for up to this many samples at
     once; so is the remote reward when it sends one request per sample."""
+    cache_size: int = 65536
+    """A deterministic reward (math, exact_match, format, or a custom function with the
+    attribute ``deterministic = True``) is called once per distinct (response, label,
+    metadata); its values are kept for this many distinct ones, across batches (the
+    least recently used go first). 0: call it for every sample."""
 
     def __post_init__(self) -> None:
         if self.type == "format" or self.format_weight != 0:
@@ -355,6 +360,8 @@ class RewardConfig:
             raise ValueError(f"reward.math_timeout_s must be >= 1, got {self.math_timeout_s}")
         if self.num_workers < 0:
             raise ValueError(f"reward.num_workers must be >= 0, got {self.num_workers}")
+        if self.cache_size < 0:
+            raise ValueError(f"reward.cache_size must be >= 0, got {self.cache_size}")
         if self.timeout_s <= 0 or self.max_concurrency < 1:
             raise ValueError(
                 "reward.timeout_s must be > 0 and reward.max_concurrency >= 1, "

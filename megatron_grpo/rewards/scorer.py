@@ -21,6 +21,7 @@ from typing import Any
 from megatron_grpo.config import RewardConfig
 from megatron_grpo.rewards.custom import load_function
 from megatron_grpo.rewards.math_answer import MathReward
+from megatron_grpo.rewards.memo import RewardMemo, is_deterministic
 from megatron_grpo.rewards.remote import RemoteReward
 from megatron_grpo.rewards.runner import RewardRunner, is_async
 from megatron_grpo.rewards.text import FormatReward, exact_match
@@ -109,6 +110,11 @@ class RewardScorer:
             num_workers=config.num_workers,
             timeout_s=None if remote else config.timeout_s,  # a remote reward has its own
         )
+        self.memo = (
+            RewardMemo(config.cache_size)
+            if config.cache_size and is_deterministic(self.reward_fn)
+            else None
+        )
 
     @property
     def runs_elsewhere(self) -> bool:
@@ -135,7 +141,10 @@ class RewardScorer:
                 except Exception as e:  # a failed request fails each of its samples
                     values += [e] * len(responses[part])
             return values
-        return self.runner.run(list(zip(responses, labels, metadatas, strict=True)))
+        jobs = list(zip(responses, labels, metadatas, strict=True))
+        if self.memo is not None:
+            return self.memo.run(jobs, self.runner.run)
+        return self.runner.run(jobs)
 
     def _total(self, response: str, value: object) -> float:
         if isinstance(value, Exception):
