@@ -18,7 +18,7 @@ loss weights) live in vectors indexed by it.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -56,43 +56,144 @@ class Sample:
 
     def __reduce__(self):
         """Pickled with its tensors as bytes: a tensor pickles through torch.save's
-        machinery, about 1 ms a sample both ways, and batches cross processes (the rollout
-        producer's pipe, ``broadcast_object`` to the other ranks)."""
-        tensors = (self.tokens, self.loss_mask, self.rollout_logprobs)
-        packed = tuple(None if t is None else (t.dtype, _raw(t)) for t in tensors)
-        return _unpickle_sample, (*packed, self.advantage, self.group, self.sample_id)
+        machinery, about 1 ms a sample both ways (a batch pickles as ``SampleColumns``)."""
+        return _unpickle_samples, (SampleColumns.of([self]),)
 
     @property
     def num_loss_tokens(self) -> int:
         return int(self.loss_mask.sum())
 
 
+def make_samples(
+    tokens: Sequence[Sequence[int]],
+    loss_masks: Sequence[Sequence[float]],
+    advantages: Sequence[float],
+    groups: Sequence[int],
+    rollout_logprobs: Sequence[Sequence[float]] | None = None,
+) -> list[Sample]:
+    """One ``Sample`` per row, numbered from 0, checked as ``Sample`` checks them: a batch
+    costs a few torch calls, where constructing each ``Sample`` costs several of its own."""
+    for i, (toks, mask) in enumerate(zip(tokens, loss_masks, strict=True)):
+        if len(mask) != len(toks):
+            raise ValueError(
+                f"sample {i}: tokens and loss_mask must be 1-D of one length, "
+                f"got ({len(toks)},) and ({len(mask)},)"
+            )
+        if len(toks) < 2:
+            raise ValueError(f"sample {i}: needs at least 2 tokens")
+        if mask[0] != 0:
+            raise ValueError(f"sample {i}: the first token cannot be a loss token")
+
+    def flat(rows: Sequence[Sequence[float]] | None, dtype: torch.dtype = torch.float32):
+        return None if rows is None else torch.tensor([x for row in rows for x in row], dtype=dtype)
+
+    return SampleColumns(
+        lengths=[len(t) for t in tokens],
+        tokens=flat(tokens, torch.long),
+        loss_mask=flat(loss_masks),
+        rollout_logprobs=flat(rollout_logprobs),
+        advantages=[float(a) for a in advantages],
+        groups=list(groups),
+        sample_ids=list(range(len(tokens))),
+    ).samples()
+
+
+@dataclass
+class SampleColumns:
+    """Samples as one flat tensor per field (their tensors end to end) and lists: how a
+    batch of samples crosses processes, with a few torch calls for the whole batch."""
+
+    lengths: list[int]
+    tokens: Tensor
+    loss_mask: Tensor
+    rollout_logprobs: Tensor | None
+    advantages: list[float]
+    groups: list[int]
+    sample_ids: list[int]
+
+    @staticmethod
+    def of(samples: Sequence[Sample]) -> SampleColumns:
+        with_rollout = [s.rollout_logprobs is not None for s in samples]
+        if any(with_rollout) and not all(with_rollout):
+            raise ValueError("samples with and without rollout log-probs cannot share columns")
+        return SampleColumns(
+            lengths=[len(s) for s in samples],
+            tokens=_cat([s.tokens for s in samples]),
+            loss_mask=_cat([s.loss_mask for s in samples]),
+            rollout_logprobs=(
+                _cat([s.rollout_logprobs for s in samples])  # type: ignore[misc]
+                if samples and all(with_rollout)
+                else None
+            ),
+            advantages=[s.advantage for s in samples],
+            groups=[s.group for s in samples],
+            sample_ids=[s.sample_id for s in samples],
+        )
+
+    def samples(self) -> list[Sample]:
+        """The samples, their tensors views of the columns (checked when first made)."""
+        tokens = self.tokens.split(self.lengths)
+        masks = self.loss_mask.split(self.lengths)
+        logps = (
+            self.rollout_logprobs.split(self.lengths)
+            if self.rollout_logprobs is not None
+            else [None] * len(self.lengths)
+        )
+        out = []
+        for i, sample_id in enumerate(self.sample_ids):
+            sample = object.__new__(Sample)
+            sample.__dict__.update(
+                tokens=tokens[i],
+                loss_mask=masks[i],
+                advantage=self.advantages[i],
+                group=self.groups[i],
+                sample_id=sample_id,
+                rollout_logprobs=logps[i],
+            )
+            out.append(sample)
+        return out
+
+    def __reduce__(self):
+        """The columns as raw bytes (numpy has no bfloat16, so bytes, not arrays)."""
+        fields = (self.tokens, self.loss_mask, self.rollout_logprobs)
+        packed = tuple(None if t is None else (t.dtype, _raw(t)) for t in fields)
+        return _unpickle_columns, (
+            *packed,
+            self.lengths,
+            self.advantages,
+            self.groups,
+            self.sample_ids,
+        )
+
+
+def _cat(tensors: Sequence[Tensor]) -> Tensor:
+    return torch.cat(list(tensors)) if tensors else torch.empty(0)
+
+
 def _raw(t: Tensor) -> bytes:
-    """The bytes of a 1-D CPU tensor, whatever its dtype (numpy has no bfloat16)."""
+    """The bytes of a 1-D CPU tensor, whatever its dtype."""
     return t.contiguous().view(torch.uint8).numpy().tobytes()
 
 
-def _unpickle_sample(tokens, loss_mask, rollout_logprobs, advantage, group, sample_id) -> Sample:
-    """A pickled ``Sample`` again (checked when it was made)."""
+def _tensor(packed: tuple[torch.dtype, bytes] | None) -> Tensor | None:
+    if packed is None:
+        return None
+    dtype, data = packed
+    return torch.frombuffer(bytearray(data), dtype=dtype) if data else torch.empty(0, dtype=dtype)
 
-    def tensor(packed: tuple[torch.dtype, bytes] | None) -> Tensor | None:
-        if packed is None:
-            return None
-        dtype, data = packed
-        return (
-            torch.frombuffer(bytearray(data), dtype=dtype) if data else torch.empty(0, dtype=dtype)
-        )
 
-    sample = object.__new__(Sample)
-    sample.__dict__.update(
-        tokens=tensor(tokens),
-        loss_mask=tensor(loss_mask),
-        advantage=advantage,
-        group=group,
-        sample_id=sample_id,
-        rollout_logprobs=tensor(rollout_logprobs),
+def _unpickle_columns(tokens, loss_mask, rollout_logprobs, *lists) -> SampleColumns:
+    return SampleColumns(
+        lists[0],
+        _tensor(tokens),  # type: ignore[arg-type]
+        _tensor(loss_mask),  # type: ignore[arg-type]
+        _tensor(rollout_logprobs),
+        *lists[1:],
     )
-    return sample
+
+
+def _unpickle_samples(columns: SampleColumns) -> Sample:
+    return columns.samples()[0]
 
 
 @dataclass(kw_only=True)
@@ -169,6 +270,7 @@ def collate(
     num_groups: int,
     pad_to_multiple: int = 1,
     shape: tuple[int, int] = (0, 0),
+    group_index: Mapping[int, int] | None = None,
 ) -> MicroBatch:
     """Pad rows (each a list of samples packed end to end) into one micro-batch.
 
@@ -177,6 +279,8 @@ def collate(
     least size, reached with empty rows and padding (an interleaved pipeline needs every
     micro-batch of a step in one shape). No rows at all make an idle micro-batch, one row
     of padding: expert-parallel ranks run equally many micro-batches (``plan.split_to_count``).
+    ``group_index`` maps each sample's ``group`` to its id in the micro-batch's
+    ``group_ids`` (by default the group itself).
     """
     rows = list(rows) or [[]]
     samples = [s for row in rows for s in row]
@@ -205,7 +309,10 @@ def collate(
             else None
         ),
         rollout_logprobs=out["rollout_logprobs"].view(B, length) if with_rollout else None,
-        group_ids=torch.tensor([s.group for s in samples], dtype=torch.long),
+        group_ids=torch.tensor(
+            [s.group if group_index is None else group_index[s.group] for s in samples],
+            dtype=torch.long,
+        ),
         sample_ids=torch.tensor([s.sample_id for s in samples], dtype=torch.long),
         seq_tokens=seq_tokens,
         num_groups=num_groups,
@@ -257,7 +364,7 @@ def _place(
     sample_of = torch.repeat_interleave(torch.arange(len(samples)), lengths_N)
     out["seg"][where] = sample_of
     if with_rollout:
-        rollout = torch.cat([s.rollout_logprobs.float() for s in samples])  # type: ignore[union-attr]
+        rollout = torch.cat([s.rollout_logprobs for s in samples]).float()  # type: ignore[misc]
         out["rollout_logprobs"][where] = shifted(rollout)
     return torch.zeros(len(samples)).index_add_(0, sample_of, mask)
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from megatron_grpo.algo.advantages import fill_batch, group_advantages, has_spread
-from megatron_grpo.algo.batch import Sample
+from megatron_grpo.algo.batch import Sample, SampleColumns, make_samples
 from megatron_grpo.config import AdvantageConfig, RolloutConfig
 from megatron_grpo.rewards import ScoreResult
 from megatron_grpo.rollout import hook as rollout_hook
@@ -30,6 +30,19 @@ from megatron_grpo.rollout.scoring import GroupScoring
 class RolloutBatch:
     samples: list[Sample]
     stats: dict[str, float]
+
+    def __reduce__(self):
+        """Pickled with its samples as columns: a few torch calls for the whole batch (it
+        crosses processes: the rollout producer's pipe, ``broadcast_object`` to the other
+        ranks)."""
+        try:
+            return _batch_from_columns, (SampleColumns.of(self.samples), self.stats)
+        except ValueError:  # samples with and without rollout log-probs
+            return RolloutBatch, (self.samples, self.stats)
+
+
+def _batch_from_columns(columns: SampleColumns, stats: dict[str, float]) -> RolloutBatch:
+    return RolloutBatch(columns.samples(), stats)
 
 
 def stop_token_ids(tokenizer, extra: list[int]) -> list[int]:
@@ -44,27 +57,25 @@ def _to_samples(
     advantages: torch.Tensor,
     mask_truncated: bool,
 ) -> list[Sample]:
-    out: list[Sample] = []
     advantage_GN = advantages.tolist()  # one call, not two tensor ops a sample
-    for g, group in enumerate(generations):
-        for k, gen in enumerate(group):
-            prompt, output = list(gen.prompt_ids), list(gen.output_ids)
-            mask = [0.0] * len(prompt) + [1.0] * len(output)
-            if isinstance(gen, rollout_hook.Episode):  # tool output and the like: mask 0
-                mask = [0.0] * len(prompt) + list(gen.loss_mask)
-            if mask_truncated and gen.finish_reason.type == "length":
-                mask = [0.0] * len(mask)
-            out.append(
-                Sample(
-                    tokens=torch.tensor(prompt + output, dtype=torch.long),
-                    loss_mask=torch.tensor(mask),
-                    advantage=float(advantage_GN[g][k]),
-                    group=g,
-                    sample_id=len(out),
-                    rollout_logprobs=torch.tensor([0.0] * len(prompt) + list(gen.rollout_logprobs)),
-                )
-            )
-    return out
+    gens = [gen for group in generations for gen in group]
+    tokens, masks = [], []
+    for gen in gens:
+        prompt, output = list(gen.prompt_ids), list(gen.output_ids)
+        mask = [0.0] * len(prompt) + [1.0] * len(output)
+        if isinstance(gen, rollout_hook.Episode):  # tool output and the like: mask 0
+            mask = [0.0] * len(prompt) + list(gen.loss_mask)
+        if mask_truncated and gen.finish_reason.type == "length":
+            mask = [0.0] * len(mask)
+        tokens.append(prompt + output)
+        masks.append(mask)
+    return make_samples(
+        tokens,
+        masks,
+        advantages=[a for row in advantage_GN for a in row],
+        groups=[g for g, group in enumerate(generations) for _ in group],
+        rollout_logprobs=[[0.0] * len(gen.prompt_ids) + list(gen.rollout_logprobs) for gen in gens],
+    )
 
 
 def response_stats(rewards: list[float], lengths: list[int], truncated: int) -> dict[str, float]:

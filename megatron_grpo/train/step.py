@@ -73,19 +73,8 @@ def plan_micro_batches(
     """
     groups = sorted({x.group for x in batch})
     local_group = {g: i for i, g in enumerate(groups)}
-    samples = [
-        Sample(
-            tokens=x.tokens,
-            loss_mask=x.loss_mask,
-            advantage=x.advantage,
-            group=local_group[x.group],
-            sample_id=x.sample_id,
-            rollout_logprobs=x.rollout_logprobs,
-        )
-        for x in batch
-    ]
     p = plan(
-        [len(x) for x in samples],
+        [len(x) for x in batch],
         dp_size=ctx.dp_size,
         max_tokens=settings.max_tokens_per_micro_batch,
         packed=settings.pack,
@@ -98,16 +87,17 @@ def plan_micro_batches(
     if ctx.dims.vpp is not None:
         shape = (
             max(len(mb) for mb in rank_plan),
-            max(sum(len(samples[i]) for i in row) for mb in rank_plan for row in mb),
+            max(sum(len(batch[i]) for i in row) for mb in rank_plan for row in mb),
         )
     pad = ctx.dims.tp if ctx.dims.uses_sequence_parallel else 1
     device = compute_device()
     return [
         collate(
-            [[samples[i] for i in row] for row in mb],
+            [[batch[i] for i in row] for row in mb],
             num_groups=len(groups),
             pad_to_multiple=pad,
             shape=shape,
+            group_index=local_group,
         ).to(device)
         for mb in rank_plan
     ]

@@ -129,3 +129,52 @@ def test_a_sample_pickles_as_raw_bytes_and_comes_back_equal():
         )
         after.tokens[0] = 9  # writable, and its own memory
         assert before.tokens[0] != 9
+
+
+def test_make_samples_equals_samples_made_one_by_one_and_checks_them_alike():
+    from megatron_grpo.algo.batch import make_samples
+
+    tokens, masks = [[5, 6, 7], [1, 2, 3, 4]], [[0, 1, 1], [0, 0, 1, 0]]
+    made = make_samples(tokens, masks, [0.5, -1.0], [0, 2], [[0, -0.5, -1], [0, 0, -2, 0]])
+    for i, got in enumerate(made):
+        want = sample(i, tokens[i], masks[i])
+        assert torch.equal(got.tokens, want.tokens) and got.tokens.dtype == torch.long
+        assert torch.equal(got.loss_mask, want.loss_mask) and got.loss_mask.dtype == torch.float32
+        assert (got.sample_id, got.group) == (i, [0, 2][i])
+    assert made[1].rollout_logprobs.tolist() == [0, 0, -2, 0] and made[0].advantage == 0.5
+    assert make_samples(tokens, masks, [0.0, 0.0], [0, 0])[0].rollout_logprobs is None
+    with pytest.raises(ValueError, match="sample 1: the first token cannot be a loss token"):
+        make_samples([[1, 2], [1, 2]], [[0, 1], [1, 1]], [0, 0], [0, 0])
+    with pytest.raises(
+        ValueError, match=r"sample 0: tokens and loss_mask .* got \(3,\) and \(2,\)"
+    ):
+        make_samples([[1, 2, 3]], [[0, 1]], [0], [0])
+    with pytest.raises(ValueError, match="sample 0: needs at least 2 tokens"):
+        make_samples([[1]], [[0]], [0], [0])
+
+
+def test_a_rollout_batch_pickles_as_columns_and_comes_back_equal():
+    import pickle
+
+    from megatron_grpo.algo.batch import make_samples
+    from megatron_grpo.rollout.stage import RolloutBatch
+
+    rows = [[i, i + 1, i + 2] for i in range(50)]
+    masks = [[0.0, 1.0, 1.0]] * 50
+    samples = make_samples(rows, masks, [i / 7 for i in range(50)], [i // 5 for i in range(50)],
+                           [[0.0, -0.1 * i, -0.2] for i in range(50)])  # fmt: skip
+    batch = RolloutBatch(samples, {"reward_mean": 0.5})
+    data = pickle.dumps(batch)
+    # One set of columns for the batch, not fifty (one per sample).
+    assert data.count(b"_unpickle_columns") == 1
+    back = pickle.loads(data)
+    assert back.stats == batch.stats and len(back.samples) == 50
+    for a, b in zip(batch.samples, back.samples, strict=True):
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.loss_mask, b.loss_mask)
+        assert torch.equal(a.rollout_logprobs, b.rollout_logprobs)
+        assert (a.advantage, a.group, a.sample_id) == (b.advantage, b.group, b.sample_id)
+    # Samples with and without rollout log-probs cannot share a column: one by one.
+    mixed = RolloutBatch([samples[0], sample(1, [1, 2], [0, 1])], {})
+    back = pickle.loads(pickle.dumps(mixed))
+    assert back.samples[1].rollout_logprobs is None
+    assert torch.equal(back.samples[0].rollout_logprobs, samples[0].rollout_logprobs)
