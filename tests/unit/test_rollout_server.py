@@ -448,3 +448,30 @@ def test_update_weights_from_tensor_inside_a_session(own_server, model, way):
     for sample in samples:
         assert list(sample.output_ids) == assert_policy_logprobs(new_model, sample)
         assert sample.weight_version == "3"
+
+
+def test_a_groups_samples_share_one_prefill_and_keep_their_own_draws(model):
+    """Rows with one prompt run through the prefill once; each row's tokens still depend
+    only on its seed, and its log-probs are the policy's."""
+    from megatron_grpo.rollout.embedded.decode import SequenceSpec, generate_batch
+
+    sampling = SamplingParams(max_new_tokens=6, temperature=1.0)
+    specs = [
+        SequenceSpec(prompt_ids=p, sampling=sampling, seed=10 * i + j)
+        for i, p in enumerate(PROMPTS)
+        for j in range(3)
+    ]
+    rows_seen: list[int] = []
+    hook = model.register_forward_pre_hook(
+        lambda _, args, kwargs: rows_seen.append(kwargs["input_ids"].shape[0]), with_kwargs=True
+    )
+    try:
+        together = generate_batch(model, specs, eos_token_ids=frozenset())
+    finally:
+        hook.remove()
+    assert rows_seen == [3] + [9] * 5  # the prefill of 3 distinct prompts, then 9 rows
+    for spec, done in zip(specs, together, strict=True):
+        alone = generate_batch(model, [spec], eos_token_ids=frozenset())[0]
+        assert done.output_ids == alone.output_ids
+        _, expected = reference(model, spec.prompt_ids, done.output_ids)
+        torch.testing.assert_close(torch.tensor(done.logprobs), expected, atol=1e-5, rtol=0)

@@ -68,14 +68,19 @@ def generate_batch(
     """
     rows = _Rows(specs, eos_token_ids, next(model.parameters()).device)
 
-    def finish(row: int, reason: FinishReason) -> None:
-        rows.finish(row, reason)
+    def finish(ended: list[tuple[int, FinishReason]]) -> None:
+        rows.finish(ended)
         if on_finish is not None:
-            on_finish(row, rows.completions[row])
+            for row, _ in ended:
+                on_finish(row, rows.completions[row])
 
-    for row, spec in enumerate(specs):
-        if spec.sampling.max_new_tokens == 0:
-            finish(row, FinishReason(type="length", detail=0))
+    finish(
+        [
+            (row, FinishReason(type="length", detail=0))
+            for row, spec in enumerate(specs)
+            if spec.sampling.max_new_tokens == 0
+        ]
+    )
     _abort(rows.completions, before_step, finish)
     live = [r for r, c in enumerate(rows.completions) if c.finish_reason is None]
     if not live:
@@ -90,9 +95,13 @@ def generate_batch(
             tokens_B = rows.sample(logits_BV, index_B, position)
             stop_B = (tokens_B[:, None] == rows.stops_NS[index_B]).any(dim=1)
             length_B = rows.max_new_N[index_B] == position + 1
-            for b, reason in _finished(stop_B, length_B, tokens_B, position):
-                if rows.completions[live[b]].finish_reason is None:
-                    finish(live[b], reason)
+            finish(
+                [
+                    (live[b], reason)
+                    for b, reason in _finished(stop_B, length_B, tokens_B, position)
+                    if rows.completions[live[b]].finish_reason is None
+                ]
+            )
             keep = [b for b, r in enumerate(live) if rows.completions[r].finish_reason is None]
             if not keep:
                 break
@@ -165,30 +174,38 @@ class _Rows:
         self.generated = position + 1
         return tokens_B
 
-    def finish(self, row: int, reason: FinishReason) -> None:
-        done = self.completions[row]
+    def finish(self, ended: list[tuple[int, FinishReason]]) -> None:
+        """End these rows with what they generated so far (one copy to lists for all)."""
+        if not ended:
+            return
         n = self.generated
-        done.output_ids = self.tokens_NT[row, :n].tolist()
-        done.logprobs = self.logprobs_NT[row, :n].tolist()
-        done.finish_reason = reason
+        index = torch.tensor([row for row, _ in ended], device=self.device)
+        tokens, logprobs = self.tokens_NT[index, :n].tolist(), self.logprobs_NT[index, :n].tolist()
+        for (row, reason), toks, lps in zip(ended, tokens, logprobs, strict=True):
+            done = self.completions[row]
+            done.output_ids, done.logprobs, done.finish_reason = toks, lps, reason
 
 
 def _abort(
     completions: list[Completion],
     before_step: BeforeStep | None,
-    finish: Callable[[int, FinishReason], None],
+    finish: Callable[[list[tuple[int, FinishReason]]], None],
 ) -> None:
     while before_step is not None:
         aborts = before_step()
         live = {r: m for r, m in aborts.items() if completions[r].finish_reason is None}
         if not live:
             return
-        for row, message in live.items():
-            finish(row, FinishReason(type="abort", detail=message))
+        finish([(row, FinishReason(type="abort", detail=m)) for row, m in live.items()])
 
 
 class _Stepper:
-    """The model's forward passes for a shrinking batch of left-padded rows."""
+    """The model's forward passes for a shrinking batch of left-padded rows.
+
+    Rows with the same prompt (the samples of a GRPO group) share one prefill: the
+    distinct prompts run through the model once, and their KV cache, positions and
+    last logits are then copied to every row that has them.
+    """
 
     def __init__(
         self, model: PreTrainedModel, prompts: Sequence[tuple[int, ...]], device: torch.device
@@ -199,22 +216,31 @@ class _Stepper:
         self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self.keep_last = "logits_to_keep" in params
         self.cache: Any = None  # the model builds the right cache type on the first call
-        width = max(len(p) for p in prompts)
-        self.input_ids = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
+        distinct: dict[tuple[int, ...], int] = {}
+        source = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts]
+        self.copy_rows = (
+            torch.tensor(source, device=device) if len(distinct) < len(prompts) else None
+        )
+        width = max(len(p) for p in distinct)
+        self.input_ids = torch.tensor(
+            [[0] * (width - len(p)) + list(p) for p in distinct], dtype=torch.long, device=device
+        )
         # Without padding no mask is needed, and building one costs a lot per step.
         self.mask: torch.Tensor | None = None
-        if any(len(p) != width for p in prompts):
-            self.mask = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
-        for b, prompt in enumerate(prompts):
-            self.input_ids[b, width - len(prompt) :] = torch.tensor(prompt, device=device)
-            if self.mask is not None:
-                self.mask[b, width - len(prompt) :] = 1
-        lengths = torch.tensor([len(p) for p in prompts], device=device)
+        if any(len(p) != width for p in distinct):
+            self.mask = torch.tensor(
+                [[0] * (width - len(p)) + [1] * len(p) for p in distinct], device=device
+            )
+        lengths = torch.tensor([len(p) for p in distinct], device=device)
         self.positions = torch.arange(width, device=device)[None, :] - (width - lengths)[:, None]
         self.positions = self.positions.clamp(min=0)
 
     def prefill(self) -> torch.Tensor:
-        return self._forward(self.input_ids, self.positions)
+        logits_BV = self._forward(self.input_ids, self.positions)
+        if self.copy_rows is None:
+            return logits_BV
+        self._take(self.copy_rows)
+        return logits_BV[self.copy_rows]
 
     def decode(self, tokens_B: torch.Tensor) -> torch.Tensor:
         self.positions = self.positions[:, -1:] + 1
@@ -223,7 +249,10 @@ class _Stepper:
         return self._forward(tokens_B[:, None], self.positions)
 
     def select(self, keep: list[int]) -> None:
-        index = torch.tensor(keep, device=self.positions.device)
+        self._take(torch.tensor(keep, device=self.positions.device))
+
+    def _take(self, index: torch.Tensor) -> None:
+        """Rows ``index`` of the cache, positions and mask (a row may be taken twice)."""
         self.cache.batch_select_indices(index)
         self.positions = self.positions[index]
         if self.mask is not None:
