@@ -98,12 +98,14 @@ def main() -> None:
 
 
 class _StepTimer:
-    """Writes one line per optimizer step: its begin and end times and its rollout seconds."""
+    """Writes one line per optimizer step: its begin and end times, its rollout seconds and
+    the mean reward TRL logged for it."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.begin = 0.0
         self.rollout_s = 0.0
+        self.row: dict[str, float] = {}
 
     def callback(self):
         from transformers import TrainerCallback
@@ -116,15 +118,21 @@ class _StepTimer:
 
             def on_step_end(self, args, state, control, **kwargs):
                 end = time.time()
-                row = {
+                timer.row = {
                     "step": state.global_step,
                     "begin": timer.begin,
                     "end": end,
                     "rollout_s": timer.rollout_s,
                     "train_s": end - timer.begin - timer.rollout_s,
                 }
+
+            def on_log(self, args, state, control, logs=None, **kwargs):
+                # The trainer logs every step (logging_steps=1), right after its end.
+                if not timer.row or logs is None or "reward" not in logs:
+                    return
                 with timer.path.open("a") as f:
-                    f.write(json.dumps(row) + "\n")
+                    f.write(json.dumps({**timer.row, "reward": logs["reward"]}) + "\n")
+                timer.row = {}
 
         return Callback()
 

@@ -29,7 +29,12 @@ step, or TRL's step-end callback), the median split of a step into rollout
 (generation and scoring), train and weight sync, the peak resident memory of every
 process of its tree (``VmHWM``, sampled every 50 ms) and the start-up time (from
 starting the process to the beginning of step 1). Reported: per repeat the ratio of
-our median s/step to TRL's of the same repeat, summarized over repeats.
+our median s/step to TRL's of the same repeat, summarized over repeats; and each
+side's mean reward per step (the JSON result, and with ``--plot`` a figure of its
+median over the repeats).
+
+``--set KEY=VALUE`` (repeatable) changes our sides' config, e.g.
+``--set reward.cache_size=0`` to score every answer again as TRL does.
 """
 
 from __future__ import annotations
@@ -62,6 +67,15 @@ def parse_args():
     )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
     p.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override for our sides (repeatable)",
+    )
+    p.add_argument("--plot", help="write the reward curves of every side to this PNG")
+    p.add_argument(
         "--threads",
         type=int,
         default=1,
@@ -85,13 +99,15 @@ class Run:
     """From starting the process to the beginning of step 1."""
     peak_mb: dict[str, float] = field(default_factory=dict)
     """Peak resident memory of each process of the tree, MB, by pid and command."""
+    rewards: list[float] = field(default_factory=list)
+    """Mean reward of each step."""
 
     @property
     def total_peak_mb(self) -> float:
         return sum(self.peak_mb.values())
 
 
-def our_command(assets: Path, out: Path, steps: int, nproc: int) -> list[str]:
+def our_command(assets: Path, out: Path, steps: int, nproc: int, extra: list[str]) -> list[str]:
     sets = {
         "output_dir": out,
         "tokenizer": assets / "model",
@@ -106,6 +122,8 @@ def our_command(assets: Path, out: Path, steps: int, nproc: int) -> list[str]:
     cmd = [sys.executable, "-m", "megatron_grpo.cli", "train", "--config", str(DEMO_CONFIG)]
     for key, value in sets.items():
         cmd += ["--set", f"{key}={value}"]
+    for setting in extra:
+        cmd += ["--set", setting]
     return cmd + (["--nproc", str(nproc)] if nproc > 1 else [])
 
 
@@ -117,7 +135,7 @@ def trl_command(assets: Path, events: Path, steps: int) -> list[str]:
     ]
 
 
-def run_side(side: str, assets: Path, steps: int, timeout: float, threads: int) -> Run:
+def run_side(side: str, assets: Path, steps: int, args) -> Run:
     with tempfile.TemporaryDirectory(prefix=f"vs_trl_{side}_") as tmp:
         work = Path(tmp)
         if side == "trl":
@@ -125,11 +143,11 @@ def run_side(side: str, assets: Path, steps: int, timeout: float, threads: int) 
             cmd = trl_command(assets, events, steps)
         else:
             events = work / "run" / "metrics.jsonl"
-            cmd = our_command(assets, work / "run", steps, nproc=int(side[2:]))
+            cmd = our_command(assets, work / "run", steps, nproc=int(side[2:]), extra=args.sets)
         env = {
             **os.environ,
             "PYTHONPATH": os.pathsep.join([str(REPO), *_pythonpath()]),
-            "OMP_NUM_THREADS": str(threads),
+            "OMP_NUM_THREADS": str(args.threads),
         }
         start = time.time()
         proc = subprocess.Popen(
@@ -138,8 +156,8 @@ def run_side(side: str, assets: Path, steps: int, timeout: float, threads: int) 
         watch = _Watch(proc.pid, events)
         try:
             while proc.poll() is None:
-                if time.time() - start > timeout:
-                    raise RuntimeError(f"{side}: no end within {timeout} s")
+                if time.time() - start > args.timeout:
+                    raise RuntimeError(f"{side}: no end within {args.timeout} s")
                 watch.poll()
                 time.sleep(_POLL_S)
         finally:
@@ -246,6 +264,7 @@ def _short(cmdline: list[str]) -> str:
 
 
 def _summarize(side: str, rows: list[dict[str, Any]], start: float, peaks) -> Run:
+    reward_key = "reward" if side == "trl" else "rollout/reward_mean"
     if side == "trl":
         ends = [r["end"] for r in rows]
         split = {k: [r[f"{k}_s"] for r in rows[1:]] for k in ("rollout", "train")}
@@ -265,6 +284,7 @@ def _summarize(side: str, rows: list[dict[str, Any]], start: float, peaks) -> Ru
         split_s={k: summary(v)["median"] for k, v in split.items()},
         startup_s=first_begin - start,
         peak_mb=dict(peaks),
+        rewards=[float(r[reward_key]) for r in rows],
     )
 
 
@@ -295,6 +315,7 @@ def report(runs: dict[str, list[Run]], args, steps: int) -> None:
             "startup_s": summary([r.startup_s for r in side_runs]),
             "peak_memory_sum_mb": summary([r.total_peak_mb for r in side_runs]),
             "peak_memory_mb_last_run": side_runs[-1].peak_mb,
+            "reward_by_step": [r.rewards for r in side_runs],
         }
         row = table[side]
         split = ", ".join(f"{k} {v['median']:.3f}" for k, v in row["split_s"].items())
@@ -315,6 +336,7 @@ def report(runs: dict[str, list[Run]], args, steps: int) -> None:
                 "steps": steps,
                 "repeats": len(next(iter(runs.values()))),
                 "threads": args.threads,
+                "our_sets": args.sets,
             },
             "ratios": ratios,
             "sides": table,
@@ -341,7 +363,7 @@ def main() -> None:
     for rep in range(repeats):
         shift = rep % len(sides)
         for side in sides[shift:] + sides[:shift]:
-            run = run_side(side, assets, steps, args.timeout, args.threads)
+            run = run_side(side, assets, steps, args)
             print(
                 f"repeat {rep + 1} {side}: {run.step_s:.3f} s/step (cpu {run.step_cpu_s:.3f}), "
                 f"start-up {run.startup_s:.1f} s, memory {run.total_peak_mb:.0f} MB",
@@ -349,6 +371,35 @@ def main() -> None:
             )
             runs[side].append(run)
     report(runs, args, steps)
+    if args.plot:
+        plot_rewards(runs, Path(args.plot))
+
+
+def plot_rewards(runs: dict[str, list[Run]], path: Path) -> None:
+    """Each side's median reward per step over its repeats, with their range shaded."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    labels = {"trl": "TRL GRPOTrainer", "pp1": "ours, 1 process", "pp2": "ours, PP2"}
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for side, side_runs in runs.items():
+        steps = min(len(r.rewards) for r in side_runs)
+        values = np.array([r.rewards[:steps] for r in side_runs])
+        x = np.arange(1, steps + 1)
+        ax.plot(x, np.median(values, axis=0), label=f"{labels[side]} ({len(side_runs)} runs)")
+        ax.fill_between(x, values.min(axis=0), values.max(axis=0), alpha=0.2)
+    ax.set_xlabel("step")
+    ax.set_ylabel("mean reward of the step's samples")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":
