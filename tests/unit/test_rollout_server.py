@@ -475,3 +475,26 @@ def test_a_groups_samples_share_one_prefill_and_keep_their_own_draws(model):
         assert done.output_ids == alone.output_ids
         _, expected = reference(model, spec.prompt_ids, done.output_ids)
         torch.testing.assert_close(torch.tensor(done.logprobs), expected, atol=1e-5, rtol=0)
+
+
+def test_rows_that_stop_early_end_as_they_would_alone(model):
+    """Stopped rows ride along in the batch for a while; what each row returns is what it
+    returns generated alone."""
+    from megatron_grpo.rollout.embedded.decode import SequenceSpec, generate_batch
+
+    sampling = SamplingParams(
+        max_new_tokens=8, temperature=1.0, stop_token_ids=tuple(range(0, 300, 6))
+    )
+    specs = [
+        SequenceSpec(prompt_ids=p, sampling=sampling, seed=100 + 10 * i + j)
+        for i, p in enumerate(PROMPTS)
+        for j in range(4)
+    ]
+    together = generate_batch(model, specs, eos_token_ids=frozenset())
+    lengths = [len(done.output_ids) for done in together]
+    assert min(lengths) < 8 and max(lengths) == 8, lengths  # rows ended at different steps
+    for spec, done in zip(specs, together, strict=True):
+        alone = generate_batch(model, [spec], eos_token_ids=frozenset())[0]
+        assert (done.output_ids, done.finish_reason) == (alone.output_ids, alone.finish_reason)
+        _, expected = reference(model, spec.prompt_ids, done.output_ids)
+        torch.testing.assert_close(torch.tensor(done.logprobs), expected, atol=1e-5, rtol=0)

@@ -4,7 +4,8 @@
 parameters and seed, until every one has finished: stop or EOS
 token (kept in the output), ``max_new_tokens``, or an abort from
 ``before_step``. Prompts are left-padded into one tensor; finished rows are
-dropped from the batch and the cache so the long tail costs only its own rows.
+dropped from the batch and the cache (once a quarter of it has finished, or a row
+reaches its token limit) so the long tail costs only its own rows.
 
 The returned logprob of each token is ``log_softmax`` of the raw logits
 (temperature 1, before top-k/top-p): the log-probability of the token under
@@ -105,7 +106,11 @@ def generate_batch(
             keep = [b for b, r in enumerate(live) if rows.completions[r].finish_reason is None]
             if not keep:
                 break
-            if len(keep) < len(live):
+            # Rows that stopped ride along (their tokens unused) until a quarter of the batch
+            # has: each shrink copies the KV cache. A row at its own token limit leaves at
+            # once, so that no row runs past its prompt + max_new_tokens.
+            ended = len(live) - len(keep)
+            if ended and (4 * ended >= len(live) or bool(length_B.any())):
                 step.select(keep)
                 live = [live[b] for b in keep]
                 index_B = index_B[keep]
