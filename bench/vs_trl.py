@@ -31,7 +31,8 @@ process of its tree (``VmHWM``, sampled every 50 ms) and the start-up time (from
 starting the process to the beginning of step 1). Reported: per repeat the ratio of
 our median s/step to TRL's of the same repeat, summarized over repeats; and each
 side's mean reward per step (the JSON result, and with ``--plot`` a figure of its
-median over the repeats).
+median over the repeats). Repeat r runs every side with seed r (ours: ``seed``; TRL:
+``GRPOConfig.seed``), so the repeats are different seeds, the same on both sides.
 
 ``--set KEY=VALUE`` (repeatable) changes our sides' config, e.g.
 ``--set reward.cache_size=0`` to score every answer again as TRL does.
@@ -107,8 +108,11 @@ class Run:
         return sum(self.peak_mb.values())
 
 
-def our_command(assets: Path, out: Path, steps: int, nproc: int, extra: list[str]) -> list[str]:
+def our_command(
+    assets: Path, out: Path, steps: int, nproc: int, seed: int, extra: list[str]
+) -> list[str]:
     sets = {
+        "seed": seed,
         "output_dir": out,
         "tokenizer": assets / "model",
         "data.path": assets / "train.jsonl",
@@ -127,23 +131,27 @@ def our_command(assets: Path, out: Path, steps: int, nproc: int, extra: list[str
     return cmd + (["--nproc", str(nproc)] if nproc > 1 else [])
 
 
-def trl_command(assets: Path, events: Path, steps: int) -> list[str]:
+def trl_command(assets: Path, events: Path, steps: int, seed: int) -> list[str]:
     script = BENCH_DIR / "_trl_grpo.py"
     return [sys.executable, str(script), "--assets", str(assets), "--events", str(events)] + [
         "--steps",
         str(steps),
+        "--seed",
+        str(seed),
     ]
 
 
-def run_side(side: str, assets: Path, steps: int, args) -> Run:
+def run_side(side: str, assets: Path, steps: int, seed: int, args) -> Run:
     with tempfile.TemporaryDirectory(prefix=f"vs_trl_{side}_") as tmp:
         work = Path(tmp)
         if side == "trl":
             events = work / "events.jsonl"
-            cmd = trl_command(assets, events, steps)
+            cmd = trl_command(assets, events, steps, seed)
         else:
             events = work / "run" / "metrics.jsonl"
-            cmd = our_command(assets, work / "run", steps, nproc=int(side[2:]), extra=args.sets)
+            cmd = our_command(
+                assets, work / "run", steps, nproc=int(side[2:]), seed=seed, extra=args.sets
+            )
         env = {
             **os.environ,
             "PYTHONPATH": os.pathsep.join([str(REPO), *_pythonpath()]),
@@ -363,7 +371,7 @@ def main() -> None:
     for rep in range(repeats):
         shift = rep % len(sides)
         for side in sides[shift:] + sides[:shift]:
-            run = run_side(side, assets, steps, args)
+            run = run_side(side, assets, steps, seed=rep + 1, args=args)
             print(
                 f"repeat {rep + 1} {side}: {run.step_s:.3f} s/step (cpu {run.step_cpu_s:.3f}), "
                 f"start-up {run.startup_s:.1f} s, memory {run.total_peak_mb:.0f} MB",
@@ -384,12 +392,18 @@ def plot_rewards(runs: dict[str, list[Run]], path: Path) -> None:
     import numpy as np
 
     labels = {"trl": "TRL GRPOTrainer", "pp1": "ours, 1 process", "pp2": "ours, PP2"}
+    styles = {"trl": "-", "pp1": "-", "pp2": "--"}  # PP2's curve is PP1's: both visible
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for side, side_runs in runs.items():
         steps = min(len(r.rewards) for r in side_runs)
         values = np.array([r.rewards[:steps] for r in side_runs])
         x = np.arange(1, steps + 1)
-        ax.plot(x, np.median(values, axis=0), label=f"{labels[side]} ({len(side_runs)} runs)")
+        ax.plot(
+            x,
+            np.median(values, axis=0),
+            styles[side],
+            label=f"{labels[side]}, median of {len(side_runs)} seeds",
+        )
         ax.fill_between(x, values.min(axis=0), values.max(axis=0), alpha=0.2)
     ax.set_xlabel("step")
     ax.set_ylabel("mean reward of the step's samples")
