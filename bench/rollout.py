@@ -10,8 +10,9 @@ sampling (temperature 1, top-p 1, no top-k), ``n`` samples per prompt, in this
 one process. The server side is what the trainer does: ``SGLangClient.generate``
 sends one ``/generate`` request per prompt, carrying its ``n`` samples, to
 ``start_embedded_server``, which batches everything queued into one decoding round
-(the samples of a prompt sharing one prefill) and returns each token's log-prob. The baseline is one ``model.generate`` call over the left-padded
-prompts with ``num_return_sequences=n`` (no log-probs). A third side splits the
+(the samples of a prompt sharing one prefill) and returns each token's log-prob. The
+baseline is one ``model.generate`` call over the left-padded prompts with
+``num_return_sequences=n`` (no log-probs). A third side splits the
 server's time: ``decode.generate_batch``, the server's decoding loop, called
 directly on the same requests (no HTTP, no queue). A fourth sends the same samples to
 the server as one batched ``/generate`` request (what a client that batched a whole

@@ -10,6 +10,7 @@ tried again in the next batch.
 from __future__ import annotations
 
 import functools
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -38,6 +39,7 @@ class RewardMemo:
             raise ValueError(f"a reward memo needs room for at least one value, got {size}")
         self.size = size
         self._values: OrderedDict[tuple[str, str, str], object] = OrderedDict()
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._values)
@@ -46,19 +48,24 @@ class RewardMemo:
         self, jobs: Sequence[Job], compute: Callable[[list[Job]], list[object]]
     ) -> list[object]:
         """Each job's value: kept ones as they are, the others from one ``compute`` call on
-        the distinct ones (each a value or the exception it raised)."""
+        the distinct ones (each a value or the exception it raised). Safe to call from
+        several threads (the values are looked up and stored under a lock; ``compute``
+        runs outside it)."""
         keys = [(response, repr(label), repr(meta)) for response, label, meta in jobs]
+        kept: dict[tuple[str, str, str], object] = {}
         todo: dict[tuple[str, str, str], Job] = {}
-        for key, job in zip(keys, jobs, strict=True):
-            if key in self._values:
-                self._values.move_to_end(key)
-            else:
-                todo.setdefault(key, job)
+        with self._lock:
+            for key, job in zip(keys, jobs, strict=True):
+                if key in self._values:
+                    self._values.move_to_end(key)
+                    kept[key] = self._values[key]
+                else:
+                    todo.setdefault(key, job)
         computed = dict(zip(todo, compute(list(todo.values())), strict=True))
-        values = [computed[key] if key in computed else self._values[key] for key in keys]
-        for key, value in computed.items():
-            if not isinstance(value, Exception):
-                self._values[key] = value
-        while len(self._values) > self.size:
-            self._values.popitem(last=False)
-        return values
+        with self._lock:
+            for key, value in computed.items():
+                if not isinstance(value, Exception):
+                    self._values[key] = value
+            while len(self._values) > self.size:
+                self._values.popitem(last=False)
+        return [computed[key] if key in computed else kept[key] for key in keys]

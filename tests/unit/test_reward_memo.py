@@ -125,3 +125,24 @@ def test_a_custom_function_is_memoized_only_when_it_says_so(tmp_path, monkeypatc
 def test_a_negative_cache_size_is_refused_by_name():
     with pytest.raises(ValueError, match="reward.cache_size must be >= 0, got -1"):
         RewardConfig(cache_size=-1)
+
+
+def test_threads_sharing_a_small_memo_each_get_their_own_values():
+    import threading
+
+    memo, errors = RewardMemo(3), []
+
+    def score(offset: int) -> None:
+        fn = Counting()
+        for round_ in range(200):
+            jobs = [("x" * ((offset + round_ + k) % 7), offset, None) for k in range(5)]
+            want = [float(len(r) + label) for r, label, _ in jobs]
+            if memo.run(jobs, fn.batch) != want:
+                errors.append((offset, round_))
+
+    threads = [threading.Thread(target=score, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(memo) <= 3
