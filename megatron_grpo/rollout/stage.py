@@ -168,6 +168,15 @@ def _generate_and_score(
     return groups, scorer.score(texts, labels, metas)
 
 
+def _complete(kept_gens, kept_rewards, flat_gens, flat_rewards, size: int) -> int:
+    """Where the round cap was hit short of ``size`` groups, complete the batch with flat
+    ones; how many were added."""
+    shortfall = max(size - len(kept_gens), 0)
+    kept_gens += flat_gens[:shortfall]
+    kept_rewards += flat_rewards[:shortfall]
+    return min(shortfall, len(flat_gens))
+
+
 def collect(
     step: int,
     *,
@@ -225,10 +234,7 @@ def collect(
         kept_rewards += [rewards[i] for i in filled.kept]
         flat_gens += [groups[i] for i, ok in enumerate(spread) if not ok]
         flat_rewards += [rewards[i] for i, ok in enumerate(spread) if not ok]
-    shortfall = cfg.prompts_per_step - len(kept_gens)
-    if shortfall > 0:  # the round cap was hit: complete with flat groups
-        kept_gens += flat_gens[:shortfall]
-        kept_rewards += flat_rewards[:shortfall]
+    flat_kept = _complete(kept_gens, kept_rewards, flat_gens, flat_rewards, cfg.prompts_per_step)
     if len(kept_gens) < cfg.prompts_per_step:
         raise RuntimeError(
             f"step {step}: only {len(kept_gens)} of {cfg.prompts_per_step} prompt groups after "
@@ -243,7 +249,7 @@ def collect(
         **length_by_advantage(kept_gens, advantages),
         "reward_errors": float(reward_errors),
         "groups_dropped": float(dropped),
-        "groups_flat_kept": float(max(shortfall, 0)),
+        "groups_flat_kept": float(flat_kept),
         "sampling_rounds": float(rounds),
         "generated_tokens_per_s": sum(lengths) / max(elapsed, 1e-9),
         **(rollout_hook.episode_stats(episode_metrics) if episode_metrics else {}),
