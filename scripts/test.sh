@@ -4,6 +4,15 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup_env.sh
+# The python tool's box (bubblewrap) is an OS package; its tests attack it for real.
+if ! command -v bwrap >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get install -y -qq bubblewrap >/dev/null || { apt-get update -qq && apt-get install -y -qq bubblewrap; }
+  else
+    echo "test.sh: the sandbox tests need bubblewrap: install it (apt install bubblewrap)" >&2
+    exit 1
+  fi
+fi
 . "${VENV:-.venv}/bin/activate"
 ruff check .
 ruff format --check .

@@ -46,6 +46,11 @@ class ToolsConfig:
     """The ``python`` tool's limit, wall clock and CPU time, per call."""
     python_memory_mb: int = 512
     """The ``python`` tool's address-space limit."""
+    python_isolation: Literal["bwrap", "none"] = "bwrap"
+    """How the ``python`` tool isolates model-written code. ``bwrap``: a bubblewrap box
+    (namespaces, an unprivileged user, no network, no files but its own ``/tmp``); a
+    machine that cannot make one refuses the run at start, naming what is missing.
+    ``none``: limits only, the code runs as the trainer's user (unsafe; for trusted code)."""
 
     def __post_init__(self) -> None:
         if not self.names:

@@ -31,8 +31,11 @@ def build_tools(cfg: ToolsConfig) -> dict[str, Tool]:
         if spec == "calculator":
             tools[spec] = calculator
         elif spec == "python":
-            sandbox = PythonSandbox(timeout_s=cfg.python_timeout_s, memory_mb=cfg.python_memory_mb)
-            tools[spec] = sandbox
+            tools[spec] = PythonSandbox(
+                timeout_s=cfg.python_timeout_s,
+                memory_mb=cfg.python_memory_mb,
+                isolation=cfg.python_isolation,
+            )
         elif ":" in spec:
             fn = load_function(spec, "rollout.tools.names entry")
             tools[spec.rpartition(":")[2].rpartition(".")[2]] = fn
