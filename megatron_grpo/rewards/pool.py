@@ -5,9 +5,11 @@ that no signal interrupts. Here the samples go, a chunk at a time, to ``num_work
 spawned processes, which send each result back as soon as it is done; a worker still busy
 ``timeout_s`` after its last result (or after it took the chunk) is killed and replaced, the
 sample it was on gets a ``RewardTimeout``, and the rest of its chunk goes to the workers
-again. Spawned, not forked: the trainer holds threads, sockets and torch state that a fork
-would copy half-way. The function travels pickled, so it must be importable (a module-level
-function or an instance of a module-level class); exceptions come back as raised.
+again. A batch told to stop at a failure (``map(stop_if=...)``) kills its busy workers
+there and then, not after the rest of the batch. Spawned, not forked: the trainer holds
+threads, sockets and torch state that a fork would copy half-way. The function travels
+pickled, so it must be importable (a module-level function or an instance of a
+module-level class); exceptions come back as raised.
 """
 
 from __future__ import annotations
@@ -24,6 +26,13 @@ from typing import Any
 
 class RewardTimeout(TimeoutError):
     """A reward function ran past its time limit on one sample."""
+
+
+class RewardCancelled(Exception):
+    """A sample left unscored: its batch stopped at another sample's failure."""
+
+    def __init__(self) -> None:
+        super().__init__("not scored: the batch stopped at another sample's failure")
 
 
 CHUNKS_PER_WORKER = 4
@@ -113,7 +122,12 @@ class WorkerPool:
         self._ctx = mp.get_context("spawn")
         self._workers: list[_Worker] = []  # started on first use
 
-    def map(self, jobs: Sequence[tuple[Any, ...]]) -> list[Any]:
+    def map(
+        self, jobs: Sequence[tuple[Any, ...]], stop_if: Callable[[Any], bool] | None = None
+    ) -> list[Any]:
+        """``stop_if``: stop at the first result it holds true of; the busy workers are
+        killed (started again by the next call) and the jobs not done get a
+        ``RewardCancelled``."""
         results: list[Any] = [None] * len(jobs)
         pending = deque(enumerate(jobs))
         per_worker = CHUNKS_PER_WORKER if self.num_workers > 1 else 1
@@ -130,38 +144,45 @@ class WorkerPool:
             busy = [w for w in self._workers if w.chunk]
             next_deadline = min(w.deadline for w in busy)
             ready = wait([w.conn for w in busy], timeout=max(next_deadline - time.monotonic(), 0))
+            done: list[int] = []
             for worker in busy:
                 if worker.conn in ready:
-                    self._receive(worker, results, pending)
+                    done += self._receive(worker, results, pending)
                 elif time.monotonic() >= worker.deadline:
-                    results[worker.chunk[0][0]] = RewardTimeout(
+                    done.append(worker.chunk[0][0])
+                    results[done[-1]] = RewardTimeout(
                         f"reward function ran past {self.timeout_s:g} s (reward.timeout_s); "
                         "its worker process was killed"
                     )
                     self._replace(worker, pending)
+            if stop_if is not None and any(stop_if(results[i]) for i in done):
+                self._abandon(results, pending)
+                break
         return results
 
     def _deadline(self) -> float:
         """The sample a worker is on began when it sent its last result, or before."""
         return time.monotonic() + self.timeout_s
 
-    def _receive(self, worker: _Worker, results: list[Any], pending: deque) -> None:
-        """The results ``worker`` has sent so far."""
+    def _receive(self, worker: _Worker, results: list[Any], pending: deque) -> list[int]:
+        """The results ``worker`` has sent so far; their indices."""
+        done: list[int] = []
         while worker.chunk and worker.conn.poll():
             try:
                 index, value = worker.conn.recv()  # the exception it raised, when it raised one
             except (EOFError, OSError):  # it died: killed by the OS, or a crash in C code
                 worker.process.join(timeout=1)
                 code = worker.process.exitcode
-                results[worker.chunk[0][0]] = RuntimeError(
-                    f"reward worker process died (exit code {code})"
-                )
+                done.append(worker.chunk[0][0])
+                results[done[-1]] = RuntimeError(f"reward worker process died (exit code {code})")
                 self._replace(worker, pending)
-                return
+                return done
             got, _ = worker.chunk.popleft()
             assert got == index
             results[index] = value
+            done.append(index)
         worker.deadline = self._deadline()
+        return done
 
     def _replace(self, worker: _Worker, pending: deque) -> None:
         """Kill ``worker``, whose first job has its result; the rest go back to ``pending``."""
@@ -169,6 +190,16 @@ class WorkerPool:
         pending.extendleft(reversed(worker.chunk))
         worker.kill()
         self._workers[self._workers.index(worker)] = _Worker(self._ctx, self.fn)
+
+    def _abandon(self, results: list[Any], pending: deque) -> None:
+        """Kill the busy workers; their jobs and the queued ones get a ``RewardCancelled``."""
+        for worker in [w for w in self._workers if w.chunk]:
+            pending.extend(worker.chunk)
+            worker.kill()
+            self._workers.remove(worker)
+        for index, _ in pending:
+            results[index] = RewardCancelled()
+        pending.clear()
 
     def close(self) -> None:
         for worker in self._workers:

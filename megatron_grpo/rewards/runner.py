@@ -7,7 +7,9 @@
 - A sync function runs in this process, one sample after another, with no
   limit but its own (the math reward has one); or, with ``num_workers``, in
   worker processes that are killed after ``timeout_s`` (rewards/pool.py).
-Each result is the function's value or the exception it raised.
+Each result is the function's value or the exception it raised. With ``stop_if``, a
+batch stops at the first result it holds true of: the samples still queued or running
+are abandoned (tasks cancelled, worker processes killed) and get a ``RewardCancelled``.
 """
 
 from __future__ import annotations
@@ -18,7 +20,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from megatron_grpo import http
-from megatron_grpo.rewards.pool import RewardTimeout, WorkerPool
+from megatron_grpo.rewards.pool import RewardCancelled, RewardTimeout, WorkerPool
+
+CANCEL_WAIT_S = 1.0
+"""How long cancelled async calls get to unwind before the batch returns without them."""
 
 
 def is_async(fn: Callable[..., Any]) -> bool:
@@ -32,6 +37,7 @@ async def gather(
     *,
     max_concurrency: int,
     timeout_s: float | None,
+    stop_if: Callable[[Any], bool] | None = None,
 ) -> list[Any]:
     """``await fn(*job)`` for every job concurrently; a value or an exception each."""
     slots = asyncio.Semaphore(max_concurrency)
@@ -45,7 +51,20 @@ async def gather(
             except Exception as e:
                 return e
 
-    return list(await asyncio.gather(*(one(job) for job in jobs)))
+    tasks = [asyncio.ensure_future(one(job)) for job in jobs]
+    running = set(tasks)
+    while running:
+        done, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+        if stop_if is not None and any(stop_if(task.result()) for task in done):
+            for task in running:
+                task.cancel()
+            if running:  # a function that ignores its cancellation is left behind
+                await asyncio.wait(running, timeout=CANCEL_WAIT_S)
+            break
+    return [
+        task.result() if task.done() and not task.cancelled() else RewardCancelled()
+        for task in tasks
+    ]
 
 
 class RewardRunner:
@@ -67,21 +86,31 @@ class RewardRunner:
         if num_workers and not is_async(fn):
             self.pool = WorkerPool(fn, num_workers=num_workers, timeout_s=timeout_s or 1e9)
 
-    def run(self, jobs: Sequence[tuple[Any, ...]]) -> list[Any]:
+    def run(
+        self, jobs: Sequence[tuple[Any, ...]], stop_if: Callable[[Any], bool] | None = None
+    ) -> list[Any]:
+        """Each job's value or exception; ``stop_if``: stop at the first result it holds
+        true of, the jobs not done getting a ``RewardCancelled``."""
         if is_async(self.fn):
             return http.run_sync(
                 gather(
-                    self.fn, jobs, max_concurrency=self.max_concurrency, timeout_s=self.timeout_s
+                    self.fn,
+                    jobs,
+                    max_concurrency=self.max_concurrency,
+                    timeout_s=self.timeout_s,
+                    stop_if=stop_if,
                 )
             )
         if self.pool is not None:
-            return self.pool.map(jobs)
+            return self.pool.map(jobs, stop_if=stop_if)
         results: list[Any] = []
         for job in jobs:
             try:
                 results.append(self.fn(*job))
             except Exception as e:
                 results.append(e)
+            if stop_if is not None and stop_if(results[-1]):
+                return results + [RewardCancelled() for _ in range(len(jobs) - len(results))]
         return results
 
     def close(self) -> None:

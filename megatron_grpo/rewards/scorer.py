@@ -3,9 +3,11 @@
 The main function runs as rewards/runner.py says: an async one concurrently,
 a sync one inline or in worker processes (``reward.num_workers``). A reward
 function that raises, runs past ``reward.timeout_s``, or returns something that
-is not a finite number, is an error of that sample: logged with its index and
-the start of the response, then either fatal (``on_error="fail"``, a
-``RewardError``) or scored 0.0 and counted (``on_error="zero"``).
+is not a finite number, is an error of that sample. ``on_error="fail"``: the first
+error stops the batch (the samples still running are abandoned: tasks cancelled,
+worker processes killed) and is raised as a ``RewardError`` that names the reward,
+the sample and the cause. ``on_error="zero"``: the sample scores 0.0 and is counted,
+and a batch's errors are logged as one line (how many, and the first).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import functools
 import logging
 import math
 import numbers
+from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +25,7 @@ from megatron_grpo.config import RewardConfig
 from megatron_grpo.rewards.custom import load_function
 from megatron_grpo.rewards.math_answer import MathReward
 from megatron_grpo.rewards.memo import RewardMemo, is_deterministic
+from megatron_grpo.rewards.pool import RewardCancelled
 from megatron_grpo.rewards.remote import RemoteReward
 from megatron_grpo.rewards.runner import RewardRunner, is_async
 from megatron_grpo.rewards.text import FormatReward, exact_match
@@ -31,15 +35,29 @@ logger = logging.getLogger(__name__)
 RewardFn = Callable[[str, Any, dict[str, Any]], float | Awaitable[float]]
 """``(response_text, label, item_metadata) -> reward``, or an async function of the same."""
 
+RESPONSE_PREFIX = 100
+"""Characters of a response that an error message or warning shows."""
+
 
 class RewardError(RuntimeError):
     """A reward function failed on one sample (raised with ``on_error="fail"``)."""
 
-    def __init__(self, index: int, cause: Exception) -> None:
+    def __init__(
+        self,
+        index: int,
+        cause: Exception,
+        *,
+        reward: str = "function",
+        response: str | None = None,
+    ) -> None:
+        """``reward``: which one (``RewardScorer.name``); ``response``: the sample's text."""
         self.index = index
         self.cause = cause
+        self.reward = reward
+        self.response = response
+        shown = "" if response is None else f" (response {response[:RESPONSE_PREFIX]!r})"
         super().__init__(
-            f"reward function failed on sample {index}: {type(cause).__name__}: {cause}"
+            f"reward {reward} failed on sample {index}{shown}: {type(cause).__name__}: {cause}"
         )
 
 
@@ -84,6 +102,15 @@ def build_reward_function(config: RewardConfig) -> RewardFn:
     return load_function(config.custom_function)
 
 
+def reward_name(config: RewardConfig) -> str:
+    """The reward as errors and warnings name it: its type, and what it calls."""
+    if config.type == "custom":
+        return f"custom {config.custom_function}"
+    if config.type == "remote":
+        return f"remote {config.remote_url}"
+    return config.type
+
+
 def as_reward(value: object) -> float:
     """A reward function's return value as a finite float, or an error saying what it was."""
     if not isinstance(value, numbers.Real):
@@ -94,11 +121,21 @@ def as_reward(value: object) -> float:
     return reward
 
 
+def _failed(value: object) -> bool:
+    """A main function's result that is an error of its sample."""
+    try:
+        as_reward(value)
+    except Exception:
+        return True
+    return False
+
+
 class RewardScorer:
     """Scores batches of responses as a ``RewardConfig`` says."""
 
     def __init__(self, config: RewardConfig) -> None:
         self.config = config
+        self.name = reward_name(config)
         self.reward_fn = build_reward_function(config)
         self.format_fn = format_reward(config) if config.format_weight != 0 else None
         remote = isinstance(self.reward_fn, RemoteReward)
@@ -128,10 +165,12 @@ class RewardScorer:
         labels: Sequence[Any],
         metadatas: Sequence[dict[str, Any]],
     ) -> list[object]:
-        """The main function's value for each sample, or the exception it raised."""
-        values: list[object] = []
+        """The main function's value for each sample, or the exception it raised; with
+        ``on_error="fail"``, a ``RewardCancelled`` for each sample left after a failure."""
+        stop_if = _failed if self.config.on_error == "fail" else None
         batch_size = self.config.remote_batch_size
         if isinstance(self.reward_fn, RemoteReward) and batch_size:
+            values: list[object] = []
             for start in range(0, len(responses), batch_size):
                 part = slice(start, start + batch_size)
                 try:
@@ -140,11 +179,14 @@ class RewardScorer:
                     )
                 except Exception as e:  # a failed request fails each of its samples
                     values += [e] * len(responses[part])
+                if stop_if is not None and any(stop_if(v) for v in values[part]):
+                    return values + [RewardCancelled() for _ in responses[len(values) :]]
             return values
         jobs = list(zip(responses, labels, metadatas, strict=True))
+        run = functools.partial(self.runner.run, stop_if=stop_if)
         if self.memo is not None:
-            return self.memo.run(jobs, self.runner.run)
-        return self.runner.run(jobs)
+            return self.memo.run(jobs, run)
+        return run(jobs)
 
     def _total(self, response: str, value: object) -> float:
         if isinstance(value, Exception):
@@ -159,7 +201,11 @@ class RewardScorer:
         responses: Sequence[str],
         labels: Sequence[Any],
         metadatas: Sequence[dict[str, Any]],
+        *,
+        warn: bool = True,
     ) -> ScoreResult:
+        """``warn``: log the batch's errors (``on_error="zero"``) as one line; False for a
+        caller that scores a batch in parts and logs their errors together."""
         if not len(responses) == len(labels) == len(metadatas):
             raise ValueError(
                 f"score() needs one label and one metadata per response, got "
@@ -167,23 +213,34 @@ class RewardScorer:
             )
         values = self._main_values(responses, labels, metadatas)
         rewards: list[float] = []
-        errors: list[str] = []
+        failed: list[tuple[int, Exception]] = []
         for index, (response, value) in enumerate(zip(responses, values, strict=True)):
             try:
                 rewards.append(self._total(response, value))
                 continue
+            except RewardCancelled:  # another sample failed, and is raised below
+                assert self.config.on_error == "fail"
             except Exception as e:
-                logger.warning(
-                    "reward failed on sample %d (response %r): %s: %s",
-                    index,
-                    response[:200],
-                    type(e).__name__,
-                    e,
-                )
                 if self.config.on_error == "fail":
-                    raise RewardError(index, e) from e
-                errors.append(f"sample {index}: {type(e).__name__}: {e}")
+                    raise RewardError(index, e, reward=self.name, response=response) from e
+                failed.append((index, e))
             rewards.append(0.0)
+        errors = [f"sample {i}: {type(e).__name__}: {e}" for i, e in failed]
+        if failed and warn:
+            first, cause = failed[0]
+            kinds = Counter(type(e).__name__ for _, e in failed)
+            logger.warning(
+                "reward %s: %d of %d samples failed (%s), scored 0; first: sample %d "
+                "(response %r): %s: %s",
+                self.name,
+                len(failed),
+                len(responses),
+                ", ".join(f"{n} {kind}" for kind, n in kinds.most_common()),
+                first,
+                responses[first][:RESPONSE_PREFIX],
+                type(cause).__name__,
+                cause,
+            )
         return ScoreResult(rewards=rewards, num_errors=len(errors), errors=errors)
 
     def close(self) -> None:

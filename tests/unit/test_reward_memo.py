@@ -8,6 +8,8 @@ import pytest
 from megatron_grpo.config import RewardConfig
 from megatron_grpo.rewards import RewardScorer
 from megatron_grpo.rewards.memo import RewardMemo, is_deterministic
+from megatron_grpo.rewards.pool import RewardCancelled
+from megatron_grpo.rewards.runner import RewardRunner
 from megatron_grpo.rewards.text import exact_match
 
 
@@ -146,3 +148,16 @@ def test_threads_sharing_a_small_memo_each_get_their_own_values():
     for t in threads:
         t.join()
     assert not errors and len(memo) <= 3
+
+
+def test_a_batch_stopped_at_a_failure_keeps_only_what_was_scored():
+    """on_error=fail through the memo: the distinct jobs after the failure are never called,
+    and their ``RewardCancelled`` is not kept (the next batch calls them)."""
+    fn, memo = Counting(), RewardMemo(10)
+    run = functools.partial(RewardRunner(fn).run, stop_if=lambda v: isinstance(v, Exception))
+    jobs = [("ab", 1, {}), ("boom", 1, {}), ("ab", 1, {}), ("abc", 1, {})]
+    values = memo.run(jobs, run)
+    assert values[0] == values[2] == 3.0
+    assert isinstance(values[1], ZeroDivisionError) and isinstance(values[3], RewardCancelled)
+    assert fn.calls == [("ab", 1, {}), ("boom", 1, {})] and len(memo) == 1
+    assert memo.run([("abc", 1, {})], run) == [4.0]

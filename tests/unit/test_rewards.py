@@ -233,23 +233,35 @@ def test_errors_score_zero_and_are_reported(custom_module, caplog):
     assert result.errors[0] == "sample 1: ZeroDivisionError: boom!"
     assert result.errors[1].startswith("sample 2: ValueError: reward function returned non-finite")
     assert result.errors[2].startswith("sample 3: TypeError: reward function returned str")
-    assert "reward failed on sample 1 (response 'boom'): ZeroDivisionError: boom!" in caplog.text
+    # One line for the batch, not one per sample.
+    assert [r.getMessage() for r in caplog.records] == [
+        f"reward custom {custom_module}:flaky: 3 of 5 samples failed (1 ZeroDivisionError, "
+        "1 ValueError, 1 TypeError), scored 0; first: sample 1 (response 'boom'): "
+        "ZeroDivisionError: boom!"
+    ]
 
 
 def test_error_fails_the_run(custom_module, caplog):
     config = RewardConfig(type="custom", custom_function=f"{custom_module}:flaky")
-    with pytest.raises(RewardError, match="sample 1: ZeroDivisionError: boom!") as info:
-        RewardScorer(config).score(["fine", "boom"], [None] * 2, [{}] * 2)
+    with pytest.raises(RewardError) as info:
+        RewardScorer(config).score(["fine", "boom", "nan"], [None] * 3, [{}] * 3)
+    assert str(info.value) == (
+        f"reward custom {custom_module}:flaky failed on sample 1 (response 'boom'): "
+        "ZeroDivisionError: boom!"
+    )
     assert info.value.index == 1 and isinstance(info.value.cause, ZeroDivisionError)
 
 
-def test_warning_shows_only_the_start_of_a_long_response(caplog):
-    scorer = RewardScorer(RewardConfig(type="math", on_error="zero"))
+def test_warning_and_error_show_only_the_start_of_a_long_response(caplog):
     response = "x" * 1000
+    scorer = RewardScorer(RewardConfig(type="math", on_error="zero"))
     with caplog.at_level(logging.WARNING, logger="megatron_grpo.rewards"):
         result = scorer.score([response], [None], [{}])
     assert result.num_errors == 1
-    assert "x" * 200 in caplog.text and "x" * 201 not in caplog.text
+    assert "x" * 100 in caplog.text and "x" * 101 not in caplog.text
+    with pytest.raises(RewardError, match="reward math failed on sample 0") as info:
+        RewardScorer(RewardConfig(type="math")).score([response], [None], [{}])
+    assert "x" * 100 in str(info.value) and "x" * 101 not in str(info.value)
 
 
 # --------------------------------------------------------------------------- remote
@@ -353,6 +365,14 @@ def test_remote_gives_up_after_the_retries(serve):
     assert "failed after 2 attempts; last error: HTTP 500" in result.errors[0]
 
 
+def test_remote_batches_stop_at_the_first_failed_request(serve):
+    server = serve(fail_first=100, status=400)
+    scorer = RewardScorer(remote_config(server.url, remote_batch_size=2))
+    with pytest.raises(RewardError, match=f"reward remote {server.url} failed on sample 0"):
+        scorer.score(["a", "b", "c", "d", "e"], [None] * 5, [{}] * 5)
+    assert len(server.requests) == 1  # the other two batches were never sent
+
+
 def test_remote_client_error_is_not_retried(serve):
     server = serve(fail_first=1, status=400)
     scorer = RewardScorer(remote_config(server.url, remote_retries=3))
@@ -381,7 +401,8 @@ def test_remote_server_down():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     config = remote_config(f"http://127.0.0.1:{port}/score", remote_retries=1)
-    with pytest.raises(RewardError, match="sample 0: RemoteRewardError: .*failed after 2 attempts"):
+    expected = r"sample 0 \(response 'abc'\): RemoteRewardError: .*failed after 2 attempts"
+    with pytest.raises(RewardError, match=expected):
         RewardScorer(config).score(["abc"], ["x"], [{}])
     result = RewardScorer(remote_config(config.remote_url, on_error="zero")).score(
         ["a", "b"], ["x", "y"], [{}, {}]
