@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -105,6 +106,14 @@ class RolloutConfig:
     router_url: str | None = None
     """sglang-router to register the servers with and to generate through; weight
     updates still go to each server."""
+    api_key_env: str | None = None
+    """Name of an environment variable holding the servers' API key (SGLang's
+    ``--api-key``), e.g. ``MGRPO_ROLLOUT_API_KEY``; None: no key. Every request to an
+    engine then carries ``Authorization: Bearer <key>``; the embedded server processes are
+    started with ``--api-key-env`` of this name, and servers started from
+    ``launch_command`` get ``--api-key <key>`` appended. Only the name is in the config (and
+    the run's saved config.yaml), never the key. Needed when embedded server processes
+    listen beyond loopback (``server_host``)."""
     prompts_per_step: int = 8
     """Prompt groups per RL step."""
     samples_per_prompt: int = 4
@@ -213,6 +222,17 @@ class RolloutConfig:
             )
         if self.embedded_server != "auto" and self.engine != "embedded":
             raise ValueError("rollout.embedded_server is for rollout.engine=embedded")
+        if self.api_key_env is not None and not self.api_key_env.isidentifier():
+            raise ValueError(
+                "rollout.api_key_env must name an environment variable (the key itself goes "
+                f"in that variable, not in the config), got {self.api_key_env!r}"
+            )
+        if self.embedded_process and self.api_key_env is None and not is_loopback(self.server_host):
+            raise ValueError(
+                f"rollout.server_host={self.server_host!r} is beyond loopback: the embedded "
+                "servers there need an API key (their --api-key); set rollout.api_key_env to "
+                "the name of an environment variable holding it"
+            )
         if self.hook is not None and self.hook != "tools":
             module, sep, name = self.hook.partition(":")
             if not (module and sep and name):
@@ -224,6 +244,16 @@ class RolloutConfig:
                 raise ValueError("rollout.engine=sglang needs rollout.urls or launch_command")
             if self.urls and self.launch_command:
                 raise ValueError("set rollout.urls (attach) or rollout.launch_command, not both")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a server listening on ``host`` is reachable from its own machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # "" (every address), or a name that may resolve anywhere
+        return False
 
 
 @dataclass(kw_only=True)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,6 +31,14 @@ class ClientConfig:
     """Wait before the first retry; it doubles on each further retry."""
     backoff_max_s: float = 8.0
     """Longest wait between retries."""
+    api_key: str | None = field(default=None, repr=False)
+    """Sent with every request as ``Authorization: Bearer <key>`` (SGLang's ``--api-key``);
+    None sends none. Left out of ``repr`` so that it stays out of logs."""
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """The headers every request carries."""
+        return {} if self.api_key is None else {"Authorization": f"Bearer {self.api_key}"}
 
     def __post_init__(self) -> None:
         if not self.urls:
@@ -50,3 +59,20 @@ class ClientConfig:
         for name, value in timeouts.items():
             if not value > 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
+        key = self.api_key
+        if key is not None and not (key and key.isascii() and key.isprintable()):
+            raise ValueError("ClientConfig.api_key must be a non-empty string of printable ASCII")
+
+
+def api_key_from_env(name: str | None) -> str | None:
+    """The API key held by environment variable ``name`` (``rollout.api_key_env``); None
+    when ``name`` is None. A variable that is unset or empty is a ValueError."""
+    if name is None:
+        return None
+    key = os.environ.get(name)
+    if not key:
+        raise ValueError(
+            f"rollout.api_key_env names the environment variable {name}, which is not set "
+            "(or empty) in this process: export the rollout servers' API key in it"
+        )
+    return key

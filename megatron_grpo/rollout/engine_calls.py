@@ -57,7 +57,8 @@ class EngineCalls:
         # or pause must never queue behind the generations it is meant to stop.
         # SGLang (uvicorn) drops idle connections after 5 s; never reuse one idle that long.
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0)
-        self._session = aiohttp.ClientSession(connector=connector)
+        # The API key, if any, goes with every request of the session (generation too).
+        self._session = aiohttp.ClientSession(connector=connector, headers=self.config.headers)
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:

@@ -9,6 +9,7 @@ import sys
 import tempfile
 
 from megatron_grpo.config import ModelConfig, RolloutConfig
+from megatron_grpo.rollout.client_config import api_key_from_env
 from megatron_grpo.rollout.servers import (
     LaunchConfig,
     ServerGroup,
@@ -33,6 +34,7 @@ def start_or_attach(cfg: RolloutConfig, model_path: str | None) -> ServerGroup:
             log_dir=log_dir,
             startup_timeout_s=cfg.server_startup_timeout_s,
             router_url=cfg.router_url,
+            api_key=api_key_from_env(cfg.api_key_env),
         )
     )
 
@@ -53,6 +55,10 @@ def launch_embedded(
         f"--host {{host}} --port {{port}} --load-format dummy --seed {seed} "
         f"--max-batch-size {batch}"
     )
+    if cfg.api_key_env is not None:
+        api_key_from_env(cfg.api_key_env)  # set here, so that the servers inherit it
+        # The variable's name, not the key: a command line is readable by every user.
+        command += f" --api-key-env {cfg.api_key_env}"
     try:
         return launch_servers(
             LaunchConfig(

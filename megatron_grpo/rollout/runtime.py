@@ -134,6 +134,7 @@ class RolloutRuntime:
         """Start or attach to the engines (``__init__``'s arguments); the URLs generation
         goes to, and those weight updates go to."""
         from megatron_grpo.rollout import engines
+        from megatron_grpo.rollout.client_config import api_key_from_env
         from megatron_grpo.rollout.embedded.server import start_embedded_server
         from megatron_grpo.rollout.servers import ServerGroup
 
@@ -156,6 +157,7 @@ class RolloutRuntime:
                 weight_version=weight_version,
                 seed=seed,
                 max_batch_size=max(cfg.prompts_per_step * cfg.samples_per_prompt, 1),
+                api_key=api_key_from_env(cfg.api_key_env),
             )
             return (self.server.url,), (self.server.url,)
         self.servers = engines.start_or_attach(cfg, model_path)
@@ -458,9 +460,11 @@ class RolloutRuntime:
 def client_config(cfg: RolloutConfig, urls: tuple[str, ...]) -> ClientConfig:
     """The client settings of ``cfg`` for the engines at ``urls``."""
     from megatron_grpo.rollout.client import ClientConfig
+    from megatron_grpo.rollout.client_config import api_key_from_env
 
     return ClientConfig(
         urls=urls,
+        api_key=api_key_from_env(cfg.api_key_env),
         max_concurrency=cfg.max_concurrency,
         request_timeout_s=cfg.request_timeout_s,
         connect_timeout_s=cfg.connect_timeout_s,

@@ -4,7 +4,9 @@
 
     python -m sglang.launch_server --model-path {model} --host {host} --port {port}
 
-with ``{port}`` (and ``{host}``, ``{index}``, ``{model}``) filled per server.
+with ``{port}`` (and ``{host}``, ``{index}``, ``{model}``) filled per server, and
+``--api-key <key>`` appended when there is a key (SGLang takes it from its command line
+only; the log shows it as ``***``).
 Each server gets its own log file and its own process group, so that
 stopping it reaches the scheduler and detokenizer processes it forks. The
 servers start together; each is waited for until ``/health_generate`` (a
@@ -79,6 +81,9 @@ class LaunchConfig:
     """Wait after SIGTERM before SIGKILL."""
     router_url: str | None = None
     """sglang-router to register the servers with; None for no router."""
+    api_key: str | None = field(default=None, repr=False)
+    """Appended to the command as ``--api-key <key>`` (SGLang's flag) unless the command
+    has an ``--api-key`` of its own; None appends nothing."""
 
     def __post_init__(self) -> None:
         if self.num_servers < 1:
@@ -108,7 +113,21 @@ def template_fields(command: str) -> set[str]:
 def server_argv(cfg: LaunchConfig, index: int, port: int) -> list[str]:
     """The argument vector of server ``index``."""
     values = {"port": port, "host": cfg.host, "index": index, "model": cfg.model}
-    return shlex.split(cfg.command.format(**values))
+    argv = shlex.split(cfg.command.format(**values))
+    if cfg.api_key is not None and not _has_api_key_flag(argv):
+        argv += ["--api-key", cfg.api_key]
+    return argv
+
+
+def _has_api_key_flag(argv: Sequence[str]) -> bool:
+    return any(a in ("--api-key", "--api-key-env") or a.startswith("--api-key=") for a in argv)
+
+
+def redacted(argv: Sequence[str], api_key: str | None) -> list[str]:
+    """``argv`` with the API key shown as ``***``, for logs."""
+    if not api_key:
+        return list(argv)
+    return [a.replace(api_key, "***") for a in argv]
 
 
 # --------------------------------------------------------------------------- processes
@@ -192,7 +211,7 @@ def _start_one(cfg: LaunchConfig, index: int, port: int) -> ServerProcess:
     log_path = Path(cfg.log_dir) / f"server_{index}.log"
     argv = server_argv(cfg, index, port)
     with open(log_path, "ab") as log:
-        log.write(f"$ {shlex.join(argv)}\n".encode())
+        log.write(f"$ {shlex.join(redacted(argv, cfg.api_key))}\n".encode())
         log.flush()
         process = subprocess.Popen(
             argv,

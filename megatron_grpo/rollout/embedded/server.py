@@ -15,6 +15,10 @@ Differences from SGLang worth knowing:
   distributed update joins gloo groups only (``weight_routes.py``);
 - ``/health_generate`` answers 200 while paused instead of timing out.
 
+With ``api_key`` (SGLang's ``--api-key``) every endpoint but ``/health`` and
+``/health_generate`` wants ``Authorization: Bearer <key>`` (``auth.py``); a server that
+listens beyond loopback refuses to start without one.
+
 ``start_embedded_server`` runs it on a background thread with its own event loop.
 """
 
@@ -37,6 +41,7 @@ from typing import Any
 from aiohttp import web
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from megatron_grpo.rollout.embedded.auth import api_key_middleware, check_api_key
 from megatron_grpo.rollout.embedded.engine import Finished, GenerationEngine
 from megatron_grpo.rollout.embedded.protocol import (
     BadRequest,
@@ -82,8 +87,11 @@ class _Server:
         config = engine.model.config
         self.max_context = getattr(config, "max_position_embeddings", None)
 
-    def app(self) -> web.Application:
-        app = web.Application(client_max_size=1 << 31)  # tensor updates are large
+    def app(self, api_key: str | None = None) -> web.Application:
+        """The routes; with ``api_key``, answered only to requests that carry it."""
+        middlewares = [] if api_key is None else [api_key_middleware(api_key)]
+        # client_max_size: tensor updates are large
+        app = web.Application(client_max_size=1 << 31, middlewares=middlewares)
         app.router.add_route("POST", "/generate", self.generate)
         app.router.add_route("PUT", "/generate", self.generate)
         app.router.add_get("/health", self.health)
@@ -362,13 +370,16 @@ def start_embedded_server(
     generate_timeout_s: float = 3600.0,
     weight_update_timeout_s: float = 600.0,
     startup_timeout_s: float = 60.0,
+    api_key: str | None = None,
 ) -> EmbeddedServerHandle:
     """Serve a model (a copy of the given object, or loaded from a HF directory) on host:port.
 
     ``port=0`` picks a free port; the handle's ``url`` has the real one. A
     directory's tokenizer is loaded when it has one (needed only for ``text``
-    input and output text).
+    input and output text). With ``api_key`` requests must carry it (``auth.py``); a
+    ``host`` beyond loopback needs one (ValueError).
     """
+    check_api_key(api_key, host)
     model, model_path, tokenizer = _served_model(model_or_dir, tokenizer)
     engine = GenerationEngine(
         model,
@@ -388,7 +399,7 @@ def start_embedded_server(
     # stop() drops requests in flight, as a dying server would: clients retry
     # elsewhere. (A shutdown_timeout of 0 would mean no limit at all in aiohttp.)
     runner = web.AppRunner(
-        server.app(), handler_cancellation=True, shutdown_timeout=0.05, access_log=None
+        server.app(api_key), handler_cancellation=True, shutdown_timeout=0.05, access_log=None
     )
     started = threading.Event()
     failure: list[BaseException] = []

@@ -2,10 +2,12 @@
 
 ``/update_weights_from_tensor`` on the embedded server takes the tensors in one of two
 ways, never as base64 in JSON:
-- in shared memory, from a sender on the same machine: the sender copies the bucket into
-  one file under ``/dev/shm`` (``shared_bucket``) and sends a small JSON body naming the
-  file and each tensor's dtype, shape and offset (``{"shared_memory": ...}``); the server
-  maps the file and copies each tensor straight into its parameter. One copy on each side.
+- in shared memory, from a sender on the same machine and of the same user: the sender
+  copies the bucket into one file under ``/dev/shm``, in a directory only its user may
+  enter (``shared_bucket``), and sends a small JSON body naming the file and each tensor's
+  dtype, shape and offset (``{"shared_memory": ...}``); the server opens the file without
+  following links, only if it is such a file (``map_shared_file``), maps it and copies each
+  tensor straight into its parameter. One copy on each side.
 - as the request body itself: one safetensors blob of ``{hf_name: tensor}`` (Content-Type
   ``application/octet-stream``), with ``weight_version`` and ``flush_cache`` as query
   parameters, from anywhere.
@@ -15,8 +17,12 @@ unpickling what a client sends is not something an HTTP server should do.
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import mmap
 import os
-import uuid
+import stat
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,14 +82,16 @@ def tensor_update(
 
 SHM_DIR = Path("/dev/shm")
 SHM_PREFIX = "mgrpo_weights_"
+BUCKET_FILE = "bucket"
 _ALIGN = 64
 
 
 @dataclass
 class SharedBucket:
-    """A bucket of tensors in one shared-memory file; ``close()`` removes the file."""
+    """A bucket of tensors in one shared-memory file; ``close()`` removes it and its directory."""
 
     path: Path
+    """``SHM_DIR/mgrpo_weights_*/bucket``, in a directory of its own (mode 0700)."""
     entries: list[dict[str, Any]]
     """Per tensor: name, dtype (``float32``), shape and byte offset in the file."""
     buffer: torch.Tensor
@@ -98,6 +106,8 @@ class SharedBucket:
 
     def close(self) -> None:
         self.path.unlink(missing_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            self.path.parent.rmdir()
 
 
 def shared_memory_available() -> bool:
@@ -105,7 +115,12 @@ def shared_memory_available() -> bool:
 
 
 def shared_bucket(named_tensors: Mapping[str, torch.Tensor]) -> SharedBucket:
-    """``named_tensors`` copied into a new file under ``/dev/shm``, each at an aligned offset."""
+    """``named_tensors`` copied into a new file under ``/dev/shm``, each at an aligned offset.
+
+    The file lies in a directory of its own that only this user may enter (``mkdtemp``
+    makes it mode 0700), which is what the server asks of a file before it reads it
+    (``load_shared``): nobody else can put a file or a link there.
+    """
     entries, offset = [], 0
     for name, t in named_tensors.items():
         entries.append(
@@ -117,8 +132,13 @@ def shared_bucket(named_tensors: Mapping[str, torch.Tensor]) -> SharedBucket:
             }
         )
         offset += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
-    path = SHM_DIR / f"{SHM_PREFIX}{os.getpid()}_{uuid.uuid4().hex}"
-    buffer = torch.from_file(str(path), shared=True, size=max(offset, 1), dtype=torch.uint8)
+    directory = tempfile.mkdtemp(prefix=f"{SHM_PREFIX}{os.getpid()}_", dir=SHM_DIR)
+    path = Path(directory) / BUCKET_FILE
+    try:
+        buffer = torch.from_file(str(path), shared=True, size=max(offset, 1), dtype=torch.uint8)
+    except BaseException:
+        os.rmdir(directory)
+        raise
     bucket = SharedBucket(path, entries, buffer)
     try:
         for entry, t in zip(entries, named_tensors.values()):
@@ -144,15 +164,97 @@ def _view(buffer: torch.Tensor, entry: Mapping[str, Any]) -> torch.Tensor:
 def load_shared(spec: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     """The tensors of a ``shared_memory`` request, as views of the mapped file (no copy).
 
-    Only files this project's senders make are opened (``/dev/shm/mgrpo_weights_*``).
+    Only a file ``shared_bucket`` could have made is read; see ``map_shared_file``.
     """
-    path = Path(str(spec.get("path", "")))
-    if path.parent != SHM_DIR or not path.name.startswith(SHM_PREFIX):
-        raise ValueError(f"shared_memory.path must be a {SHM_DIR}/{SHM_PREFIX}* file, got {path}")
-    if not path.is_file():
-        raise ValueError(f"shared_memory.path {path} does not exist (is the sender on this host?)")
-    buffer = torch.from_file(str(path), shared=False, size=path.stat().st_size, dtype=torch.uint8)
+    buffer = map_shared_file(Path(str(spec.get("path", ""))))
     return {str(e["name"]): _view(buffer, e) for e in spec.get("tensors", [])}
+
+
+class SharedFileRefused(ValueError):
+    """A ``shared_memory.path`` the server will not read; the message says why."""
+
+
+def map_shared_file(path: Path) -> torch.Tensor:
+    """The bytes of the bucket file at ``path``, mapped copy-on-write.
+
+    ``/dev/shm`` is writable by every user, so the file is trusted only as ``shared_bucket``
+    leaves it: ``SHM_DIR/mgrpo_weights_*/<file>``, the directory owned by this process's
+    user with no access for anyone else, the file a regular file of that user. Each step
+    is opened relative to the last, never following a link, and checked on the open
+    descriptor (no window to swap a name in between). Anything else raises
+    ``SharedFileRefused`` naming the reason, before a byte is read.
+    """
+    directory, name = path.parent, path.name
+    if (
+        not path.is_absolute()
+        or directory.parent != SHM_DIR
+        or not directory.name.startswith(SHM_PREFIX)
+        or name in ("", ".", "..")
+    ):
+        raise SharedFileRefused(
+            f"refused shared_memory.path {path}: it must be a "
+            f"{SHM_DIR}/{SHM_PREFIX}*/<file> made by shared_bucket"
+        )
+    shm_fd = os.open(SHM_DIR, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        dir_fd = _open_checked(directory.name, shm_fd, path, directory=True)
+    finally:
+        os.close(shm_fd)
+    try:
+        fd = _open_checked(name, dir_fd, path, directory=False)
+    finally:
+        os.close(dir_fd)
+    try:
+        size = os.fstat(fd).st_size
+        if size == 0:
+            raise SharedFileRefused(f"refused shared_memory.path {path}: the file is empty")
+        mapped = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
+    finally:
+        os.close(fd)
+    return torch.frombuffer(mapped, dtype=torch.uint8)  # keeps ``mapped`` alive
+
+
+def _open_checked(name: str, dir_fd: int, path: Path, *, directory: bool) -> int:
+    """``name`` under ``dir_fd`` opened read-only without following a link, checked to be a
+    directory private to this user (``directory``) or a regular file of this user."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    if directory:
+        flags |= os.O_DIRECTORY
+    what = "its directory" if directory else "the file"
+    try:
+        fd = os.open(name, flags, dir_fd=dir_fd)
+    except OSError as err:
+        reason = _open_failure(err, name, dir_fd)
+        raise SharedFileRefused(f"refused shared_memory.path {path}: {what} {reason}") from None
+    st = os.fstat(fd)
+    uid = os.getuid()
+    if directory and not stat.S_ISDIR(st.st_mode):
+        problem = "is not a directory"
+    elif not directory and not stat.S_ISREG(st.st_mode):
+        problem = "is not a regular file"
+    elif st.st_uid != uid:
+        problem = f"is owned by uid {st.st_uid}, not by this server's uid {uid}"
+    elif directory and st.st_mode & 0o077:
+        problem = f"has mode {stat.S_IMODE(st.st_mode):o}, open to other users (want 700)"
+    else:
+        return fd
+    os.close(fd)
+    raise SharedFileRefused(f"refused shared_memory.path {path}: {what} {problem}")
+
+
+def _open_failure(err: OSError, name: str, dir_fd: int) -> str:
+    link = "is a symbolic link (links are not followed)"
+    if err.errno == errno.ELOOP:
+        return link
+    if err.errno == errno.ENOTDIR:  # O_DIRECTORY | O_NOFOLLOW on a link says so
+        with contextlib.suppress(OSError):
+            if stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
+                return link
+    if err.errno == errno.ENOENT:
+        return "does not exist (is the sender on this host?)"
+    if err.errno == errno.ENOTDIR:
+        return "is not a directory"
+    return f"cannot be opened: {err.strerror}"
 
 
 def load_hf_model(model_path: str) -> PreTrainedModel:
