@@ -3,7 +3,7 @@
 # then the tier that runs a real SGLang 0.5.23 server on CPU (its own .venv-sglang).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-bash scripts/setup_env.sh
+WITH_CONTRACT=1 bash scripts/setup_env.sh
 # The python tool's box (bubblewrap) is an OS package; its tests attack it for real.
 if ! command -v bwrap >/dev/null; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
