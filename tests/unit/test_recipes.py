@@ -10,6 +10,7 @@ through the real command.
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 from typing import NamedTuple
 
@@ -134,9 +135,12 @@ HAND_WRITTEN_ROPE_AND_NORM = {
 }
 
 
-def clean_env(**extra: str) -> dict[str, str]:
+def clean_env(shims: Path | None = None, **extra: str) -> dict[str, str]:
+    """The environment without layout variables; on PATH, ``shims`` first, then the running
+    interpreter's scripts (``megatron-grpo``, ``torchrun``), active venv or not."""
     env = {k: v for k, v in os.environ.items() if k not in LAYOUT_VARS}
-    return {**env, **extra}
+    path = f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"
+    return {**env, "PATH": path if shims is None else f"{shims}:{path}", **extra}
 
 
 def recording(tmp_path: Path, command: str) -> Path:
@@ -153,7 +157,7 @@ def run_script(tmp_path: Path, recipe: str, *args: str, **env: str) -> list[str]
     env = {"HF_DIR": str(HF_CONFIGS / recipe), **env}
     subprocess.run(
         ["bash", str(EXAMPLES / f"run_grpo_{recipe}.sh"), *args],
-        env=clean_env(PATH=f"{tmp_path}:{os.environ['PATH']}", ARGS_OUT=str(out), **env),
+        env=clean_env(tmp_path, ARGS_OUT=str(out), **env),
         check=True,
     )
     return out.read_text().split("\0")[:-1]
