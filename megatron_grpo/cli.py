@@ -53,6 +53,9 @@ def cmd_train(args: argparse.Namespace) -> int:
             print(f"megatron-grpo: error: {report.refusal()}", file=sys.stderr)
             return 2
         return 0
+    from megatron_grpo.train.preflight import check_paths, preflight
+
+    check_paths(cfg)  # the file system only: refused in a fraction of a second
     launching = args.nproc and "WORLD_SIZE" not in os.environ
     if launching:
         from megatron_grpo.train.run_lock import HELD_ENV, RunLock
@@ -62,14 +65,13 @@ def cmd_train(args: argparse.Namespace) -> int:
             return code
         with RunLock(cfg.output_dir) as lock:  # before any process starts
             return _relaunch_under_torchrun(args.nproc, sys.argv[1:], {HELD_ENV: str(lock.path)})
-    from megatron_grpo.train.preflight import preflight
-
     preflight(cfg, int(os.environ.get("WORLD_SIZE", "1")))
-    from megatron_grpo.launch import die_with_parent
+    from megatron_grpo.launch import die_with_parent, use_private_tempdir
     from megatron_grpo.train.loop import train
 
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker: end with torchrun
         die_with_parent()
+    use_private_tempdir()  # an embedded server's model directory goes with this process
     train(cfg)
     return 0
 
@@ -93,10 +95,15 @@ ERROR_DIR_ENV = "MEGATRON_GRPO_ERROR_DIR"
 def _relaunch_under_torchrun(nproc: int, argv: list[str], env: dict[str, str]) -> int:
     """Run this same command under torchrun on ``nproc`` local processes, with ``env``
     added; torchrun (and through it the workers) ends when this process does. When a
-    worker fails, the first error a worker raised is the last line printed."""
+    worker fails, the first error a worker raised is the last line printed.
+
+    One node: torchrun's store and gloo listen on loopback only (``launch.loopback_torchrun``,
+    ``GLOO_SOCKET_IFNAME=lo`` unless set)."""
     import tempfile
 
-    from megatron_grpo.launch import die_with_parent
+    from megatron_grpo.launch import die_with_parent, use_private_tempdir
+
+    use_private_tempdir()
 
     rest, skip = [], False
     for a in argv:
@@ -112,14 +119,19 @@ def _relaunch_under_torchrun(nproc: int, argv: list[str], env: dict[str, str]) -
     cmd = [
         sys.executable,
         "-m",
-        "torch.distributed.run",
-        "--standalone",
+        "megatron_grpo.launch",
+        "torchrun",
         f"--nproc_per_node={nproc}",
         "-m",
         "megatron_grpo.cli",
         *rest,
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **env}
+    env = {
+        "OMP_NUM_THREADS": "1",
+        "GLOO_SOCKET_IFNAME": "lo",
+        **os.environ,
+        **env,
+    }
     with tempfile.TemporaryDirectory(prefix="megatron_grpo_errors_") as errors:
         code = subprocess.call(cmd, env={**env, ERROR_DIR_ENV: errors}, preexec_fn=die_with_parent)
         first = _first_worker_error(errors) if code else None

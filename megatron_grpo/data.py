@@ -4,10 +4,12 @@ Rows come from jsonl, parquet and Arrow files and saved Hugging Face dataset
 folders (data_files.py).
 
 ``PromptDataset`` reads every row up front, applies the chat template,
-tokenizes, and keeps the prompts that fit ``max_prompt_length``. A bad row is
-reported (file, line, reason) and skipped, never fatal: one malformed line in
-a million-row file should not stop a run. Only a dataset with no usable row
-is an error.
+tokenizes, and keeps the prompts that fit ``max_prompt_length`` (by default
+the room the model's context leaves; a longer prompt is dropped and counted, or
+refuses the run with ``data.overlong_prompts=error``). A bad row is reported
+(file, line, reason) and skipped, never fatal: one malformed line in a
+million-row file should not stop a run; a file without rows among several is
+named in a warning. Only a dataset with no usable row is an error.
 
 ``PromptSampler`` walks the dataset in epochs whose order depends only on
 ``(seed, epoch)``, so its whole state is ``{epoch, position, seed}`` and a
@@ -153,6 +155,7 @@ class PromptDataset:
         for path in config.paths:
             if not Path(path).exists():
                 raise ValueError(f"data.path {path!r} does not exist")
+            rows_before = num_rows
             for line, row in read_rows(path, config):
                 num_rows += 1
                 try:
@@ -165,14 +168,23 @@ class PromptDataset:
                     logger.warning("%s:%d: skipping row: %s", path, line, e)
                     continue
                 if config.max_prompt_length is not None and len(ids) > config.max_prompt_length:
+                    if config.overlong_prompts == "error":
+                        raise ValueError(
+                            f"{path}:{line}: the prompt has {len(ids)} tokens, more than "
+                            f"data.max_prompt_length={config.max_prompt_length} "
+                            "(data.overlong_prompts=error; 'filter' drops such prompts)"
+                        )
                     self.num_too_long += 1
                     continue
                 self.items.append(PromptItem(len(self.items), ids, text, label, metadata))
                 if first_only:
                     return
+            if num_rows == rows_before and len(config.paths) > 1:
+                logger.warning("data.path %s has no rows; the other files are read", path)
         if self.num_too_long:
             logger.warning(
-                "dropped %d of %d prompts longer than data.max_prompt_length=%d tokens",
+                "dropped %d of %d prompts longer than data.max_prompt_length=%d tokens "
+                "(data.overlong_prompts=filter)",
                 self.num_too_long,
                 num_rows,
                 config.max_prompt_length,

@@ -8,14 +8,20 @@ kills every rank and raises ``WorkerError`` with the tail of each failing
 rank's output, so a hang never blocks the caller.
 
 ``target`` is ``"package.module:function"`` or ``"path/to/file.py:function"``.
+
+Also what ``megatron-grpo train`` runs its processes with: torchrun on one node with its
+store on loopback (``python -m megatron_grpo.launch torchrun ...``), a process that dies
+with its parent, and temporary files that go with the process that made them.
 """
 
 from __future__ import annotations
 
+import getpass
 import importlib
 import importlib.util
 import os
 import pickle
+import re
 import signal
 import socket
 import subprocess
@@ -50,6 +56,79 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
     if os.getppid() != parent:  # orphaned before the call took effect
         os.kill(os.getpid(), sig)
+
+
+_REMOVE_AT_EOF = "import shutil, sys; sys.stdin.buffer.read(); shutil.rmtree(sys.argv[1], True)"
+
+
+def use_private_tempdir(prefix: str = "megatron_grpo_") -> str:
+    """Make a directory of this process's own the default of ``tempfile`` (``mkdtemp``,
+    ``TemporaryDirectory``) and have it removed when this process ends, however it ends
+    (SIGKILL included); its path.
+
+    A watcher, in a session of its own, reads a pipe whose writing end only this process
+    holds; when that closes, at any exit, it removes the directory. So an embedded server's
+    model directory or a weight push's files are never left in /tmp by a killed run.
+    Subprocesses keep the system's temporary directory (SGLang's socket paths stay short).
+    """
+    # torch.compile's cache is meant to outlive the process: it stays where it was.
+    user = re.sub(r'[\\/:*?"<>|]', "_", getpass.getuser())
+    default_cache = os.path.join(tempfile.gettempdir(), f"torchinductor_{user}")
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", default_cache)
+    path = tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}_")
+    read_end, write_end = os.pipe()  # not inherited by subprocesses (PEP 446)
+    subprocess.Popen(
+        [sys.executable, "-I", "-S", "-c", _REMOVE_AT_EOF, path],
+        stdin=read_end,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,  # not stopped with this process's group
+    )
+    os.close(read_end)
+    # write_end stays open, unused, until the process ends: the kernel closes it then.
+    tempfile.tempdir = path
+    return path
+
+
+LOOPBACK = "127.0.0.1"
+
+
+def loopback_torchrun(argv: list[str]) -> None:
+    """torchrun's ``main(argv)`` on this node alone, its store listening on 127.0.0.1 only.
+
+    torchrun's own rendezvous (``--standalone``) starts two TCP stores, and a TCP store
+    server listens on every interface whatever host it is given: anyone who reaches the
+    port can read and write the run's keys. Here the store is started first on a socket
+    bound to loopback; torchrun's static rendezvous, given that address and port, shares it
+    (``multi_tenant``), and the workers connect to it as clients. ``argv`` must not name a
+    rendezvous, nodes or a master address. torchrun's log directory (its workers' error
+    files) is this process's private tempdir.
+    """
+    import torch.distributed as dist
+    from torch.distributed import run
+
+    use_private_tempdir()
+    sock = socket.socket()
+    sock.bind((LOOPBACK, 0))
+    sock.listen()
+    port = sock.getsockname()[1]
+    store = dist.TCPStore(  # noqa: F841  (held for the run: torchrun's store shares it)
+        LOOPBACK,
+        port,
+        is_master=True,
+        multi_tenant=True,
+        wait_for_workers=False,
+        master_listen_fd=sock.detach(),
+    )
+    run.main(
+        [
+            "--nnodes=1",
+            "--rdzv-backend=static",
+            f"--master-addr={LOOPBACK}",
+            f"--master-port={port}",
+            *argv,
+        ]
+    )
 
 
 def free_port() -> int:
@@ -166,4 +245,7 @@ def _worker_main(target: str, work: str) -> None:
 
 
 if __name__ == "__main__":
-    _worker_main(sys.argv[1], sys.argv[2])
+    if sys.argv[1] == "torchrun":
+        loopback_torchrun(sys.argv[2:])
+    else:
+        _worker_main(sys.argv[1], sys.argv[2])

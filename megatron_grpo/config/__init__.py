@@ -136,6 +136,25 @@ class Config:
                 f"data.max_prompt_length + rollout.max_new_tokens (or eval.max_new_tokens) = "
                 f"{longest}"
             )
+        if self.data.max_prompt_length is None:
+            self.data.max_prompt_length = self._room_for_prompts()
+
+    def _room_for_prompts(self) -> int:
+        """The longest prompt whose sample fits the context and a micro-batch: the default
+        of data.max_prompt_length, which the checks above hold for."""
+        new_tokens = max(self.rollout.max_new_tokens, self.eval.max_new_tokens or 0)
+        room = min(
+            self.model.max_position_embeddings - new_tokens,
+            self.train.max_tokens_per_micro_batch - self.rollout.max_new_tokens,
+        )
+        if room < 1:
+            raise ValueError(
+                f"no room for a prompt: model.max_position_embeddings="
+                f"{self.model.max_position_embeddings} and train.max_tokens_per_micro_batch="
+                f"{self.train.max_tokens_per_micro_batch} must exceed rollout.max_new_tokens="
+                f"{self.rollout.max_new_tokens} (and eval.max_new_tokens)"
+            )
+        return room
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:

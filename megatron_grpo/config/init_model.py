@@ -8,12 +8,14 @@ which model it holds. When the config is loaded, its architecture fields
 the config's. A model field the config gives as well must agree with the
 checkpoint: those that do not are refused together, in one error.
 
-A ``train.init`` that is neither leaves the model section alone; loading its
-weights says why it cannot (``init_kind``).
+A ``train.init`` that is neither leaves the model section alone (a config can be
+read where its checkpoint is not); ``megatron-grpo train`` refuses it before any
+process starts, saying what was looked for and where (``init_kind``).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -35,15 +37,38 @@ def _kind(path: str | Path) -> str | None:
     return None
 
 
+INIT_KINDS = (
+    "a Hugging Face model directory (with config.json) or a megatron checkpoint directory "
+    "(with metadata.json)"
+)
+"""What ``train.init`` may name."""
+
+
+def describe_path(path: str) -> str:
+    """``path`` as given, and where it was looked for when that is not what it says: a
+    relative path is resolved against the current directory, and ``~`` is not expanded."""
+    if path.startswith("~"):
+        return f"{path!r} (~ is not expanded in a config: write {os.path.expanduser(path)})"
+    if not os.path.isabs(path):
+        return f"{path!r} (looked for {os.path.abspath(path)}, from the current directory)"
+    return repr(path)
+
+
 def init_kind(path: str) -> str:
-    """``megatron`` (a distributed checkpoint) or ``hf`` (a Hugging Face model directory)."""
+    """``megatron`` (a distributed checkpoint) or ``hf`` (a Hugging Face model directory);
+    a FileNotFoundError says what was looked for and where."""
     kind = _kind(path)
-    if kind is None:
-        raise FileNotFoundError(
-            f"train.init={path!r} is neither a megatron checkpoint (metadata.json) "
-            "nor a Hugging Face model directory (config.json)"
-        )
-    return kind
+    if kind is not None:
+        return kind
+    where = f"train.init={describe_path(path)}"
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{where} does not exist: give {INIT_KINDS}")
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{where} is a file: give {INIT_KINDS}")
+    raise FileNotFoundError(
+        f"{where} is neither a megatron checkpoint (no metadata.json in it) "
+        "nor a Hugging Face model directory (no config.json in it)"
+    )
 
 
 def checkpoint_model(path: str | Path) -> tuple[Path, ModelConfig, Mapping[str, str]] | None:

@@ -276,7 +276,15 @@ class DataConfig:
     system_prompt: str | None = None
     """System message put before string prompts and message lists that have none."""
     max_prompt_length: int | None = None
-    """Longest prompt kept, in tokens after templating; None keeps every prompt."""
+    """Longest prompt, in tokens after templating. None (the default): the room a context
+    leaves for a prompt, ``min(model.max_position_embeddings - max(rollout.max_new_tokens,
+    eval.max_new_tokens), train.max_tokens_per_micro_batch - rollout.max_new_tokens)``, set
+    when the config is built (the resolved config shows it)."""
+    overlong_prompts: Literal["filter", "error"] = "filter"
+    """What a prompt longer than ``max_prompt_length`` does. ``filter`` (the default): it is
+    not in the dataset, on every process alike, and loading says how many were dropped in one
+    line. ``error``: the run is refused before any worker starts, naming the first such
+    prompt (the check reads and tokenizes every prompt first)."""
     shuffle: bool = True
     """Shuffle each epoch (the order depends only on seed and epoch)."""
     seed: int = 1234

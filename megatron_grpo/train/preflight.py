@@ -1,18 +1,66 @@
 """What can be checked before any worker starts, without building the model.
 
-``megatron-grpo train --nproc`` runs ``preflight`` in a short-lived process of its own
-before it starts torchrun (so that the launcher, alive for the whole run, holds none of
-what it imports), and each torchrun worker runs it again before its process group: the
-layout against the world size and the model's heads, query groups and widths, the
-global batch against DP, the tokenizer, a usable prompt in the data files, the reward
-function. A failure raises ValueError
-naming the config key; the command exits 2 with that one line.
+``megatron-grpo train`` first runs ``check_paths`` in its own process: ``train.init`` and
+the tokenizer, on the file system only (a fraction of a second, nothing heavy imported).
+With ``--nproc`` it then runs ``preflight`` in a short-lived process of its own before it
+starts torchrun (so that the launcher, alive for the whole run, holds none of what it
+imports), and each torchrun worker runs both again before its process group: the layout
+against the world size and the model's heads, query groups and widths, the global batch
+against DP, the tokenizer, a usable prompt in the data files (every prompt with
+``data.overlong_prompts=error``), the reward function. A failure raises ValueError (or
+FileNotFoundError) naming the config key; the command exits 2 with that one line.
 """
 
 from __future__ import annotations
 
+import os
+import re
+from pathlib import Path
+
 from megatron_grpo.config import Config
 from megatron_grpo.config.hf import query_groups
+from megatron_grpo.config.init_model import describe_path, init_kind
+
+TOKENIZER_KIND = "a Hugging Face tokenizer directory (with tokenizer.json or tokenizer_config.json)"
+
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+"""A Hugging Face hub repository, ``namespace/name``: a path-like value of that form is
+taken from the hub's local cache when it is there."""
+
+
+def check_paths(cfg: Config) -> None:
+    """``train.init`` and the tokenizer exist, as what they must be; a ValueError or
+    FileNotFoundError names the key, the path as given, where it was looked for and what
+    was expected. A path that looks local (``.``, ``/``, ``~``, a separator) and exists
+    nowhere is refused here, never handed to the Hugging Face hub."""
+    kind = init_kind(cfg.train.init) if cfg.train.init is not None else None
+    if cfg.tokenizer is not None:
+        check_tokenizer(cfg.tokenizer)
+    elif kind != "hf":
+        init = "not set" if kind is None else "a megatron checkpoint"
+        raise ValueError(f"tokenizer is not set and train.init is {init}: give {TOKENIZER_KIND}")
+
+
+def check_tokenizer(path: str) -> None:
+    """A tokenizer directory, or a hub repository id, which ``transformers`` resolves."""
+    if os.path.isdir(path):
+        return
+    where = f"tokenizer={describe_path(path)}"
+    if os.path.exists(path):
+        raise ValueError(f"{where} is a file: give {TOKENIZER_KIND}")
+    if not (path.startswith((".", "/", "~")) or os.sep in path):
+        return  # a hub id like gpt2
+    if HUB_ID.fullmatch(path):
+        import huggingface_hub.constants
+
+        cache = Path(huggingface_hub.constants.HF_HUB_CACHE)
+        if (cache / f"models--{path.replace('/', '--')}").is_dir():
+            return
+        raise ValueError(
+            f"{where} does not exist, nor is it in the Hugging Face cache ({cache}): give "
+            f"{TOKENIZER_KIND}, or download the repository first"
+        )
+    raise ValueError(f"{where} does not exist: give {TOKENIZER_KIND}")
 
 
 def check_layout(cfg: Config, world_size: int) -> int:
@@ -55,15 +103,17 @@ def preflight(cfg: Config, world_size: int) -> None:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
         raise ValueError(f"tokenizer {path!r} does not load: {e}") from None
+    # Every prompt when a long one refuses the run: it is refused now, not when it is drawn.
+    first_only = cfg.data.overlong_prompts == "filter"
     try:
-        PromptDataset(cfg.data, tokenizer, first_only=True)
+        PromptDataset(cfg.data, tokenizer, first_only=first_only)
     except ValueError as e:
         raise ValueError(f"data: {e}") from None
     from megatron_grpo.eval.runner import dataset_config
 
     for spec in cfg.eval.datasets:
         try:
-            PromptDataset(dataset_config(cfg, spec), tokenizer, first_only=True)
+            PromptDataset(dataset_config(cfg, spec), tokenizer, first_only=first_only)
         except ValueError as e:
             raise ValueError(f"eval.datasets[{spec.name}]: {e}") from None
     try:

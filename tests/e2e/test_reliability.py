@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -47,6 +48,141 @@ def logged_steps(out: Path) -> list[int]:
     if not path.exists():
         return []
     return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
+
+
+def tiny_run_argv(tmp_path: Path, *overrides: str) -> list[str]:
+    """``megatron-grpo train --nproc 2`` on a random tiny model, with a tokenizer and a data
+    file made here (no assets to prepare): the real command line, run as a subprocess."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(
+        ["what is one plus two"], trainers.WordLevelTrainer(special_tokens=["<unk>"])
+    )
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>").save_pretrained(
+        tmp_path / "tok"
+    )
+    (tmp_path / "train.jsonl").write_text(
+        json.dumps({"prompt": "what is one plus two", "label": "3"}) + "\n"
+    )
+    sets = [
+        f"tokenizer={tmp_path / 'tok'}",
+        f"data.path={tmp_path / 'train.jsonl'}",
+        f"output_dir={tmp_path / 'out'}",
+        "data.apply_chat_template=false",
+        "model.num_layers=2",
+        "model.hidden_size=64",
+        "model.ffn_hidden_size=128",
+        "model.num_attention_heads=4",
+        "model.vocab_size=32",
+        "model.add_qkv_bias=true",
+        "metrics.tensorboard=false",
+        *overrides,
+    ]
+    argv = [sys.executable, "-m", "megatron_grpo.cli", "train", "--nproc", "2"]
+    return argv + [x for s in sets for x in ("--set", s)]
+
+
+def test_a_missing_train_init_is_refused_in_seconds_with_one_line(tmp_path):
+    """Refused by the launching process itself: no torchrun, no worker, no output directory."""
+    argv = tiny_run_argv(tmp_path, "train.init=runs/gone/model")
+    start = time.monotonic()
+    done = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=20)
+    seconds = time.monotonic() - start
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.count("\n") == 1, done.stderr[-3000:]
+    assert done.stderr == (
+        f"megatron-grpo: error: train.init='runs/gone/model' (looked for "
+        f"{tmp_path}/runs/gone/model, from the current directory) does not exist: give a "
+        "Hugging Face model directory (with config.json) or a megatron checkpoint directory "
+        "(with metadata.json)\n"
+    )
+    assert seconds < 5, f"{seconds:.1f} s"
+    assert not (tmp_path / "out").exists()
+    print(f"refused in {seconds:.2f} s with {done.stderr.count(chr(10))} line")
+
+
+def listening_sockets(pids: set[int]) -> list[tuple[int, str, int]]:
+    """``(pid, address, port)`` of every TCP socket in LISTEN state that ``pids`` hold."""
+    import ipaddress
+
+    owners = {}
+    for pid in pids:
+        try:
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    owners[target[8:-1]] = pid
+        except OSError:
+            continue
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for row in Path(table).read_text().splitlines()[1:]:
+            fields = row.split()
+            local, state, inode = fields[1], fields[3], fields[9]
+            if state != "0A" or inode not in owners:
+                continue
+            hex_addr, hex_port = local.split(":")
+            raw = bytes.fromhex(hex_addr)
+            # /proc writes each 32-bit word of the address in host (little-endian) order
+            raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+            found.append((owners[inode], str(ipaddress.ip_address(raw)), int(hex_port, 16)))
+    return found
+
+
+def process_tree(root: int) -> set[int]:
+    """``root`` and its live descendants."""
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int(
+                    (entry / "stat").read_text().split(")")[-1].split()[1]
+                )
+            except OSError:
+                continue
+    tree, grown = {root}, True
+    while grown:
+        children = {pid for pid, parent in parents.items() if parent in tree}
+        grown = not children <= tree
+        tree |= children
+    return tree
+
+
+def test_a_single_node_launch_listens_on_loopback_only(tmp_path):
+    """torchrun's store (and the workers' gloo) of ``train --nproc``: nothing on 0.0.0.0/::."""
+    run = subprocess.Popen(
+        tiny_run_argv(tmp_path, "train.total_steps=1000"),
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    seen: set[tuple[int, str, int]] = set()
+    try:
+        deadline = time.monotonic() + 60
+        # the agent's store, then each worker's gloo listener once its process group is up
+        while len({pid for pid, _, _ in seen}) < 3 and time.monotonic() < deadline:
+            assert run.poll() is None, run.stderr.read()[-3000:] if run.stderr else ""
+            seen |= set(listening_sockets(process_tree(run.pid)))
+            time.sleep(0.2)
+    finally:
+        os.killpg(run.pid, signal.SIGKILL)
+        run.wait()
+        wait_for(lambda: not processes_naming(str(tmp_path / "out")), 30, "every worker to exit")
+    assert len({pid for pid, _, _ in seen}) >= 3, seen  # torchrun and two workers
+    wide = [s for s in seen if not ipaddress_is_loopback(s[1])]
+    assert not wide, f"listening beyond loopback: {wide}"
+    print(f"listeners: {sorted(seen)}")
+
+
+def ipaddress_is_loopback(address: str) -> bool:
+    import ipaddress
+
+    return ipaddress.ip_address(address).is_loopback
 
 
 def test_second_launch_refused_and_workers_die_with_a_killed_launcher(tmp_path, assets):

@@ -180,15 +180,51 @@ def test_other_train_init_keeps_the_model_section_and_its_error(tmp_path):
     (megatron / "metadata.json").write_text("{}")
     assert load_config(None, [f"train.init={megatron}", "model.num_layers=4"]).model.num_layers == 4
     assert init_kind(str(megatron)) == "megatron"
-    neither = tmp_path / "nothing"
-    cfg = load_config(None, [f"train.init={neither}", "model.num_layers=4"])
+    missing = tmp_path / "nothing"
+    cfg = load_config(None, [f"train.init={missing}", "model.num_layers=4"])
     assert cfg.model.num_layers == 4
-    with pytest.raises(FileNotFoundError) as err:
-        init_kind(str(neither))
-    assert str(err.value) == (
-        f"train.init={str(neither)!r} is neither a megatron checkpoint (metadata.json) "
-        "nor a Hugging Face model directory (config.json)"
+    kinds = (
+        "a Hugging Face model directory (with config.json) or a megatron checkpoint "
+        "directory (with metadata.json)"
     )
+    with pytest.raises(FileNotFoundError) as err:
+        init_kind(str(missing))
+    assert str(err.value) == f"train.init={str(missing)!r} does not exist: give {kinds}"
+    (tmp_path / "weights.bin").write_text("")
+    with pytest.raises(FileNotFoundError, match=r"weights.bin' is a file: give a Hugging Face"):
+        init_kind(str(tmp_path / "weights.bin"))
+    with pytest.raises(FileNotFoundError) as err:
+        init_kind(str(tmp_path))
+    assert str(err.value) == (
+        f"train.init={str(tmp_path)!r} is neither a megatron checkpoint (no metadata.json "
+        "in it) nor a Hugging Face model directory (no config.json in it)"
+    )
+
+
+def test_a_relative_train_init_says_where_it_was_looked_for(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError) as err:
+        init_kind("runs/demo/model")
+    assert str(err.value).startswith(
+        f"train.init='runs/demo/model' (looked for {tmp_path}/runs/demo/model, from the "
+        "current directory) does not exist: give a Hugging Face model directory"
+    )
+    with pytest.raises(FileNotFoundError, match=r"~ is not expanded in a config: write /"):
+        init_kind("~/no_such_model")
+
+
+def test_max_prompt_length_defaults_to_the_room_the_context_leaves():
+    """None becomes the longest prompt whose sample fits the context and a micro-batch."""
+    context = ["model.max_position_embeddings=64", "rollout.max_new_tokens=16"]
+    assert load_config(None, context).data.max_prompt_length == 48
+    with_eval = load_config(None, [*context, "eval.max_new_tokens=24"])
+    assert with_eval.data.max_prompt_length == 40
+    budget = load_config(None, [*context, "train.max_tokens_per_micro_batch=32"])
+    assert budget.data.max_prompt_length == 16
+    assert load_config(None, [*context, "data.max_prompt_length=8"]).data.max_prompt_length == 8
+    assert load_config(None, context).data.overlong_prompts == "filter"
+    with pytest.raises(ValueError, match="no room for a prompt: model.max_position_embeddings=64"):
+        load_config(None, ["model.max_position_embeddings=64", "rollout.max_new_tokens=64"])
 
 
 def test_check_hf_config_names_every_field():

@@ -164,6 +164,50 @@ def test_long_prompts_are_filtered_and_counted(tmp_path, tokenizer):
         PromptDataset(DataConfig(path=path, max_prompt_length=3), tokenizer)
 
 
+def test_an_overlong_prompt_is_simply_not_in_the_dataset(tmp_path, tokenizer, caplog):
+    """The default (filter): the dataset, and so every sampler's batches, are those of the
+    file without the long prompt; one line gives the count."""
+    short = [{"prompt": w, "label": str(i)} for i, w in enumerate("one two three four".split())]
+    long = {"prompt": "one two three four five", "label": "long"}  # 8 tokens templated
+    with_long = write_jsonl(tmp_path / "with.jsonl", [*short[:2], long, *short[2:]])
+    without = write_jsonl(tmp_path / "without.jsonl", short)
+    with caplog.at_level(logging.WARNING, logger="megatron_grpo.data"):
+        ds = PromptDataset(DataConfig(path=with_long, max_prompt_length=4, seed=3), tokenizer)
+    expected = PromptDataset(DataConfig(path=without, max_prompt_length=4, seed=3), tokenizer)
+    assert ds.items == expected.items and ds.num_too_long == 1
+    batches = [PromptSampler.from_config(d).next_batch(7) for d in (ds, expected)]
+    assert batches[0] == batches[1]
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line == (
+        "dropped 1 of 5 prompts longer than data.max_prompt_length=4 tokens "
+        "(data.overlong_prompts=filter)"
+    )
+
+
+def test_an_overlong_prompt_refuses_the_run_when_asked(tmp_path, tokenizer):
+    rows = [{"prompt": "hello", "label": "a"}, {"prompt": "one two three four five", "label": "b"}]
+    path = write_jsonl(tmp_path / "p.jsonl", rows)
+    config = DataConfig(path=path, max_prompt_length=4, overlong_prompts="error")
+    with pytest.raises(ValueError) as err:
+        PromptDataset(config, tokenizer)
+    assert str(err.value) == (
+        f"{path}:2: the prompt has 8 tokens, more than data.max_prompt_length=4 "
+        "(data.overlong_prompts=error; 'filter' drops such prompts)"
+    )
+
+
+def test_an_empty_file_among_several_is_named_once(tmp_path, tokenizer, caplog):
+    first = write_jsonl(tmp_path / "first.jsonl", [{"prompt": "hello", "label": "a"}])
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with caplog.at_level(logging.WARNING, logger="megatron_grpo.data"):
+        ds = PromptDataset(DataConfig(path=[first, str(empty)]), tokenizer)
+    assert len(ds) == 1
+    assert [r.getMessage() for r in caplog.records] == [
+        f"data.path {empty} has no rows; the other files are read"
+    ]
+
+
 def test_config_errors(tokenizer, tmp_path):
     with pytest.raises(ValueError, match="must end in .jsonl, .parquet or .arrow, or be a saved"):
         DataConfig(path="prompts.csv")

@@ -1,3 +1,7 @@
+import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -46,3 +50,62 @@ def test_a_failing_rank_stops_the_others_and_shows_its_error():
     with pytest.raises(WorkerError, match=r"(?s)rank\(s\) \[1\] failed.*rank one broke"):
         run_workers(f"{HERE}:fail_on_rank_one", 2, timeout=120)
     assert time.monotonic() - start < 60
+
+
+EMBEDDED_MODEL_DIR = """
+import sys, time
+from megatron_grpo.config import ModelConfig, RolloutConfig
+from megatron_grpo.launch import use_private_tempdir
+from megatron_grpo.rollout import engines
+
+def servers_started(launch):  # stands for the servers: say where their model is, then serve
+    print(launch.model, flush=True)
+    time.sleep(600)
+
+engines.launch_servers = servers_started
+use_private_tempdir()  # as megatron-grpo train does before training
+model = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                    vocab_size=32, add_qkv_bias=True)
+engines.launch_embedded(RolloutConfig(embedded_server="process"), model, seed=0)
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+def test_a_killed_process_leaves_no_temporary_model_directory(tmp_path, sig):
+    """An embedded server's model directory, made in /tmp by the main rank, is removed when
+    that process is killed (SIGKILL: no handler, no atexit) by the watcher of its tempdir."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    child = subprocess.Popen(
+        [sys.executable, "-c", EMBEDDED_MODEL_DIR],
+        env={**os.environ, "TMPDIR": str(tmp)},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        model_dir = Path(child.stdout.readline().strip())
+        assert (model_dir / "config.json").is_file()
+        assert model_dir.parent.parent == tmp  # tmp/<this process's>/mgrpo_embedded_model_*
+        child.send_signal(sig)
+        child.wait(timeout=10)
+        deadline = time.monotonic() + 5
+        while any(tmp.iterdir()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(tmp.iterdir()), list(tmp.rglob("*"))
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_the_private_tempdir_goes_at_a_normal_exit_too(tmp_path):
+    code = (
+        "import tempfile; from megatron_grpo.launch import use_private_tempdir; "
+        "use_private_tempdir(); print(tempfile.mkdtemp(), flush=True)"
+    )
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert Path(out.stdout.strip()).parent.parent == tmp_path
+    deadline = time.monotonic() + 5
+    while any(tmp_path.iterdir()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(tmp_path.iterdir())

@@ -94,3 +94,64 @@ def test_a_dataset_without_a_usable_row_is_refused(run, tmp_path):
 def test_a_good_config_reaches_the_launch(run):
     with pytest.raises(AssertionError, match="torchrun was started"):
         run()
+
+
+@pytest.mark.parametrize(
+    "path, looked_for",
+    [
+        ("runs/demo/assets/model", "runs/demo/assets/model"),  # the demo's, from elsewhere
+        ("./tok", "tok"),
+        ("demo/model", "demo/model"),  # the hub's form, but not in its cache
+    ],
+)
+def test_a_missing_tokenizer_is_refused_here_not_sent_to_the_hub(
+    run, tmp_path, monkeypatch, path, looked_for
+):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.chdir(tmp_path / "tok")  # the tokenizer directory exists, just not from here
+    code, err = run(f"tokenizer={path}")
+    assert code == 2
+    (line,) = err.strip().splitlines()
+    assert line.startswith(
+        f"megatron-grpo: error: tokenizer={path!r} (looked for {tmp_path}/tok/{looked_for}, "
+        "from the current directory) does not exist"
+    ), line
+    assert "a Hugging Face tokenizer directory (with tokenizer.json" in line
+    assert "Repo id" not in line
+
+
+def test_a_hub_id_in_the_cache_is_left_to_transformers(run, tmp_path, monkeypatch):
+    from megatron_grpo.train.preflight import check_tokenizer
+
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
+    (tmp_path / "hub" / "models--org--tok").mkdir(parents=True)
+    check_tokenizer("org/tok")
+    check_tokenizer("gpt2")  # no separator: the hub's to resolve
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match=r"file' is a file: give a Hugging Face tokenizer"):
+        check_tokenizer(str(tmp_path / "file"))
+
+
+def test_a_tokenizer_is_needed_when_train_init_is_not_a_hf_directory(run, tmp_path):
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "metadata.json").write_text("{}")
+    code, err = run("tokenizer=null", f"train.init={tmp_path / 'ckpt'}")
+    assert code == 2
+    assert err.strip() == (
+        "megatron-grpo: error: tokenizer is not set and train.init is a megatron checkpoint: "
+        "give a Hugging Face tokenizer directory (with tokenizer.json or tokenizer_config.json)"
+    )
+
+
+def test_an_overlong_prompt_anywhere_refuses_the_run_when_asked(run, tmp_path):
+    data = tmp_path / "long.jsonl"
+    rows = [{"prompt": "what is one", "label": "1"}, {"prompt": "one " * 40, "label": "2"}]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    context = "model.max_position_embeddings=100"  # less rollout.max_new_tokens=64: 36 tokens
+    code, err = run(f"data.path={data}", "data.overlong_prompts=error", context)
+    assert code == 2
+    assert err.strip().splitlines()[-1] == (
+        f"megatron-grpo: error: data: {data}:2: the prompt has 40 tokens, more than "
+        "data.max_prompt_length=36 (data.overlong_prompts=error; 'filter' drops such prompts)"
+    )
