@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 from megatron_grpo.commands.convert.cli import add_parser as add_convert_parser
 from megatron_grpo.commands.invariance.cli import add_parser as add_invariance_parser
 from megatron_grpo.config import dump_config, load_config
+from megatron_grpo.console import quiet_third_party_warnings
 
 
 def add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -30,7 +33,10 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config, args.overrides)  # fail fast, before any process starts
+    flags = {"train.allow_config_change": args.allow_config_change}
+    flags["metrics.print_config"] = args.print_config
+    overrides = args.overrides + [f"{key}=true" for key, on in flags.items() if on]
+    cfg = load_config(args.config, overrides)  # fail fast, before any process starts
     sizing = (args.world_size, args.nnodes, args.gpus_per_node, args.gpu_memory_gb)
     if not args.dry_run and any(x is not None for x in sizing):
         raise ValueError(
@@ -59,12 +65,21 @@ def cmd_train(args: argparse.Namespace) -> int:
     launching = args.nproc and "WORLD_SIZE" not in os.environ
     if launching:
         from megatron_grpo.train.run_lock import HELD_ENV, RunLock
+        from megatron_grpo.train.run_start import plan_start
 
+        start = plan_start(cfg)  # a resume that changes what was trained is refused here
+        if start.kind == "complete":
+            print(start.describe(cfg))
+            return 0
         code = _preflight_in_child(args.nproc, args.argv)
         if code:
             return code
         with RunLock(cfg.output_dir) as lock:  # before any process starts
-            return _relaunch_under_torchrun(args.nproc, sys.argv[1:], {HELD_ENV: str(lock.path)})
+            env = {HELD_ENV: str(lock.path), LOG_DIR_ENV: str(Path(cfg.output_dir) / "logs")}
+            code = _relaunch_under_torchrun(args.nproc, sys.argv[1:], env)
+        if code == INTERRUPTED:
+            print(_interrupted_line(cfg), file=sys.stderr)
+        return code
     preflight(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     from megatron_grpo.launch import die_with_parent, use_private_tempdir
     from megatron_grpo.train.loop import train
@@ -90,6 +105,22 @@ def _preflight_in_child(nproc: int, argv: list[str]) -> int:
 
 ERROR_DIR_ENV = "MEGATRON_GRPO_ERROR_DIR"
 """Where the workers of a ``--nproc`` launch write the error that ended them."""
+
+LOG_DIR_ENV = "MEGATRON_GRPO_LOG_DIR"
+"""Where the workers of a ``--nproc`` launch write the traceback of that error."""
+
+INTERRUPTED = 130
+"""Exit code of a run stopped by Ctrl-C (128 + SIGINT)."""
+
+
+def _interrupted_line(cfg) -> str:
+    """What a run stopped by Ctrl-C ends with: where it stopped, and how to go on."""
+    from megatron_grpo.train.state import latest_checkpoint
+
+    latest = latest_checkpoint(cfg.output_dir)
+    where = f"the last checkpoint is {latest}" if latest else "no checkpoint was saved yet"
+    again = shlex.join(["megatron-grpo", *sys.argv[1:]])
+    return f"megatron-grpo: stopped (Ctrl-C); {where}; the same command resumes: {again}"
 
 
 def _relaunch_under_torchrun(nproc: int, argv: list[str], env: dict[str, str]) -> int:
@@ -133,12 +164,20 @@ def _relaunch_under_torchrun(nproc: int, argv: list[str], env: dict[str, str]) -
         **env,
     }
     with tempfile.TemporaryDirectory(prefix="megatron_grpo_errors_") as errors:
-        code = subprocess.call(cmd, env={**env, ERROR_DIR_ENV: errors}, preexec_fn=die_with_parent)
+        process = subprocess.Popen(
+            cmd, env={**env, ERROR_DIR_ENV: errors}, preexec_fn=die_with_parent
+        )
+        try:
+            code = process.wait()
+        except KeyboardInterrupt:  # torchrun, in this terminal's group, stops the workers
+            process.wait()
+            return INTERRUPTED
         first = _first_worker_error(errors) if code else None
     if first is None:
         return code
+    where = f" (traceback: {first['traceback']})" if first.get("traceback") else ""
     print(
-        f"megatron-grpo: error: rank {first['rank']}: {first['type']}: {first['message']}",
+        f"megatron-grpo: error: rank {first['rank']}: {first['type']}: {first['message']}{where}",
         file=sys.stderr,
     )
     return 2 if first["type"] in ("ValueError", "FileNotFoundError") else 1
@@ -146,21 +185,21 @@ def _relaunch_under_torchrun(nproc: int, argv: list[str], env: dict[str, str]) -
 
 def _first_worker_error(errors: str) -> dict | None:
     import json
-    from pathlib import Path
 
     found = [json.loads(p.read_text()) for p in Path(errors).glob("rank*.json")]
     return min(found, key=lambda e: e["time"]) if found else None
 
 
-def _record_worker_error(error: BaseException) -> None:
-    """Under a ``--nproc`` launch, leave ``error`` for the launcher to print last."""
+def _record_worker_error(error: BaseException) -> bool:
+    """Under a ``--nproc`` launch, leave ``error`` for the launcher to print last, with
+    its traceback in ``<output_dir>/logs/error_rank<N>.log``; whether it was left."""
     import json
     import time
-    from pathlib import Path
+    import traceback
 
     where = os.environ.get(ERROR_DIR_ENV)
     if where is None or "RANK" not in os.environ:
-        return
+        return False
     rank = os.environ["RANK"]
     record = {
         "rank": int(rank),
@@ -168,7 +207,14 @@ def _record_worker_error(error: BaseException) -> None:
         "message": str(error).splitlines()[0] if str(error) else "",
         "time": time.time(),
     }
+    logs = os.environ.get(LOG_DIR_ENV)
+    if logs is not None and not isinstance(error, (ValueError, FileNotFoundError)):
+        path = Path(logs) / f"error_rank{rank}.log"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(traceback.format_exception(error)))
+        record["traceback"] = str(path)
     (Path(where) / f"rank{rank}.json").write_text(json.dumps(record))
+    return True
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
@@ -233,6 +279,17 @@ def add_train_parser(sub) -> None:
         help="check the layout and estimate memory per GPU for the target world size, "
         "without GPUs or processes; exit 2 when it is invalid or does not fit",
     )
+    p.add_argument(
+        "--allow-config-change",
+        action="store_true",
+        help="resume a run whose saved config differs in what was trained (e.g. optim.lr); "
+        "without it such a resume is refused, naming the keys",
+    )
+    p.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the whole resolved config at start (it is always in the output dir)",
+    )
     p.add_argument("--world-size", type=int, help="GPUs in total (with --dry-run)")
     p.add_argument("--nnodes", type=int, help="nodes (with --dry-run; default 1)")
     p.add_argument("--gpus-per-node", type=int, help="GPUs per node (with --dry-run; default 8)")
@@ -293,17 +350,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    quiet_third_party_warnings()
     args = build_parser().parse_args(argv)
     args.argv = list(argv) if argv is not None else sys.argv[1:]
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as e:
-        _record_worker_error(e)
-        print(f"megatron-grpo: error: {e}", file=sys.stderr)
+        if not _record_worker_error(e):  # under a launch, the launcher prints it once
+            print(f"megatron-grpo: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        if os.environ.get(ERROR_DIR_ENV) is None:
+            raise
+        return INTERRUPTED  # the launcher says where the run stopped
     except Exception as e:
-        _record_worker_error(e)
-        raise
+        if not _record_worker_error(e):
+            raise
+        return 1
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from __future__ import annotations
 import getpass
 import importlib
 import importlib.util
+import logging
 import os
 import pickle
 import re
@@ -120,15 +121,28 @@ def loopback_torchrun(argv: list[str]) -> None:
         wait_for_workers=False,
         master_listen_fd=sock.detach(),
     )
-    run.main(
-        [
-            "--nnodes=1",
-            "--rdzv-backend=static",
-            f"--master-addr={LOOPBACK}",
-            f"--master-port={port}",
-            *argv,
-        ]
-    )
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    # The launcher prints the first worker error, once: not torchrun's report of it (its
+    # modules' loggers carry levels of their own, set at import).
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+    try:
+        run.main(
+            [
+                "--nnodes=1",
+                "--rdzv-backend=static",
+                f"--master-addr={LOOPBACK}",
+                f"--master-port={port}",
+                *argv,
+            ]
+        )
+    except ChildFailedError:
+        sys.exit(1)
+    except (KeyboardInterrupt, SignalException):  # the workers are stopped by now
+        sys.exit(130)
 
 
 def free_port() -> int:

@@ -78,6 +78,9 @@ class MetricsConfig:
     """Log to this Weights & Biases project (needs ``wandb`` installed and logged in)."""
     wandb_run_name: str | None = None
     """Run name in wandb; defaults to the output directory's name."""
+    print_config: bool = False
+    """Print the whole resolved config at start; by default a few lines sum it up (it is
+    always in ``<output_dir>/config.yaml``). ``megatron-grpo train --print-config`` sets it."""
 
 
 @dataclass(kw_only=True)

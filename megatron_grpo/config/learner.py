@@ -165,6 +165,10 @@ class TrainConfig:
     """Save a checkpoint every this many steps (and at the end); 0 saves only at the end."""
     keep_last: int = 2
     """Checkpoints kept on disk."""
+    allow_config_change: bool = False
+    """Resume a run whose saved config differs in what was trained (``optim.lr``, the model,
+    the data, ...); without it such a resume is refused, naming the keys
+    (train/run_start.py). ``megatron-grpo train --allow-config-change`` sets it."""
     recompute_granularity: Literal["full", "selective"] | None = None
     """Recompute activations in the backward pass instead of keeping them (megatron-core's
     activation checkpointing): ``full`` keeps only the input of each recomputed layer,

@@ -45,6 +45,7 @@ def transformer_config(cfg: ModelConfig, ctx: ParallelContext, train: TrainConfi
     )
     dtype = DTYPES[cfg.params_dtype]
     return TransformerConfig(
+        cuda_graph_scope=[],  # the whole layer; the default, "full", is deprecated
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
         ffn_hidden_size=cfg.ffn_hidden_size,

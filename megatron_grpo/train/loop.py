@@ -24,7 +24,7 @@ from megatron_grpo.mcore.parallel import broadcast_object, init_parallel
 from megatron_grpo.metrics import MetricsLogger, namespaced
 from megatron_grpo.rollout import stage as rollout_stage
 from megatron_grpo.rollout.producer import ProducerSpec, RolloutProducer
-from megatron_grpo.train import sources
+from megatron_grpo.train import run_start, sources
 from megatron_grpo.train import state as train_state
 from megatron_grpo.train.main_wait import MainRankWork
 from megatron_grpo.train.run_lock import HELD_ENV, RunLock, RunLockedError
@@ -33,12 +33,17 @@ from megatron_grpo.train.weight_push import WeightPush
 
 
 def train(cfg: Config) -> None:
+    start = run_start.plan_start(cfg)  # every rank, from the files; a refusal raises here
+    if start.kind == "complete":
+        if os.environ.get("RANK", "0") == "0":
+            print(start.describe(cfg), flush=True)
+        return
     ctx = init_parallel(
         cfg.parallel, seed=cfg.seed, timeout_minutes=cfg.train.collective_timeout_s / 60
     )
     lock = _lock_output_dir(cfg, ctx)
     try:
-        _train(cfg, ctx)
+        _train(cfg, ctx, start)
     finally:
         if lock is not None:
             lock.release()
@@ -59,10 +64,10 @@ def _lock_output_dir(cfg: Config, ctx) -> RunLock | None:
     return lock
 
 
-def _train(cfg: Config, ctx) -> None:
+def _train(cfg: Config, ctx, start: run_start.RunStart) -> None:
     out = Path(cfg.output_dir)
     if ctx.is_main:
-        _start_output_dir(cfg, out)
+        _start_output_dir(cfg, out, start)
     model, optimizer, scheduler, ref_model = _learner(cfg, ctx)
     start_step, extra = 0, dict[str, Any]()
     latest = train_state.latest_checkpoint(out)
@@ -140,12 +145,16 @@ def _train(cfg: Config, ctx) -> None:
     _close(logger, rollout)
 
 
-def _start_output_dir(cfg: Config, out: Path) -> None:
-    """The main rank's start: the output directory, its config.yaml, the config printed."""
+def _start_output_dir(cfg: Config, out: Path, start: run_start.RunStart) -> None:
+    """The main rank's start: the output directory, the config kept in it, a line saying
+    how the run starts and a summary of the config (all of it with
+    ``metrics.print_config``)."""
     out.mkdir(parents=True, exist_ok=True)
     train_state.remove_partial_saves(out)  # this run holds the directory's lock
-    (out / "config.yaml").write_text(dump_config(cfg))
-    print(dump_config(cfg), flush=True)
+    run_start.record_start(cfg, start)
+    print(start.describe(cfg), flush=True)
+    shown = dump_config(cfg) if cfg.metrics.print_config else run_start.config_summary(cfg)
+    print(shown, flush=True)
     _warn_if_uncorrected(cfg)
 
 

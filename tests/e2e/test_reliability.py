@@ -243,7 +243,8 @@ def test_second_launch_refused_and_workers_die_with_a_killed_launcher(tmp_path, 
 
 def test_an_error_inside_a_worker_is_the_last_line(tmp_path, assets):
     """A reward function that raises on rank 0 mid-rollout: the other rank dies in its
-    collective and torchrun prints its report, but the run ends on the first error."""
+    collective; the run's console shows the first error once, as its last line, and the
+    traceback is in the file that line names."""
     (tmp_path / "broken_reward.py").write_text(
         "def score(response, label, metadata):\n    raise RuntimeError('verifier crashed')\n"
     )
@@ -264,7 +265,12 @@ def test_an_error_inside_a_worker_is_the_last_line(tmp_path, assets):
     assert done.returncode == 1
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("megatron-grpo: error: rank 0: RewardError: "), done.stderr[-3000:]
-    assert "verifier crashed" in last
+    traceback = tmp_path / "run" / "logs" / "error_rank0.log"
+    assert last.endswith(f"RuntimeError: verifier crashed (traceback: {traceback})")
+    console = done.stdout + done.stderr
+    assert console.count("verifier crashed") == 1 and "Traceback" not in console, console
+    assert "ChildFailedError" not in console
+    assert "raise RuntimeError('verifier crashed')" in traceback.read_text()
 
 
 RESUMED_METRICS = (
