@@ -7,7 +7,8 @@ starts torchrun (so that the launcher, alive for the whole run, holds none of wh
 imports), and each torchrun worker runs both again before its process group: the layout
 against the world size and the model's heads, query groups and widths, the global batch
 against DP, the tokenizer, a usable prompt in the data files (every prompt with
-``data.overlong_prompts=error``), the reward function. A failure raises ValueError (or
+``data.overlong_prompts=error``), the reward function, the tool loop's tools (the
+``python`` tool's box). A failure raises ValueError (or
 FileNotFoundError) naming the config key; the command exits 2 with that one line.
 """
 
@@ -120,6 +121,20 @@ def preflight(cfg: Config, world_size: int) -> None:
         RewardScorer(cfg.reward)  # imports a custom reward function
     except ValueError as e:
         raise ValueError(f"reward.{cfg.reward.type}: {e}") from None
+    check_tools(cfg)
+
+
+def check_tools(cfg: Config) -> None:
+    """The tool loop's tools can be built here: user tools import, and the ``python`` tool's
+    box can be made on this machine (isolation.py), or the run is refused naming why."""
+    if cfg.rollout.hook != "tools":
+        return
+    from megatron_grpo.rollout.tools.registry import build_tools
+
+    try:
+        build_tools(cfg.rollout.tools)
+    except ValueError as e:
+        raise ValueError(f"rollout.tools: {e}") from None
 
 
 def main(argv: list[str]) -> int:

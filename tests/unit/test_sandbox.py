@@ -252,12 +252,20 @@ def test_without_isolation_the_limits_still_hold_and_the_run_is_warned(secret, c
     assert "output limit" in result
 
 
-def test_a_machine_without_bubblewrap_refuses_the_tool_by_name(tmp_path, monkeypatch):
+def test_a_machine_without_bubblewrap_refuses_the_run_at_start_by_name(tmp_path, monkeypatch):
+    from megatron_grpo.config import Config, RolloutConfig
+    from megatron_grpo.train.preflight import check_tools
+
+    cfg = Config(rollout=RolloutConfig(hook="tools", tools=ToolsConfig(names=["python"])))
     monkeypatch.setenv("PATH", str(tmp_path))  # no bwrap on it
     isolation.box_prefix.cache_clear()
     try:
         with pytest.raises(ValueError, match=r"needs bubblewrap \('bwrap', not on PATH\)") as e:
             PythonSandbox(timeout_s=1, memory_mb=64)
         assert "rollout.tools.python_isolation=none" in str(e.value)
+        with pytest.raises(ValueError, match=r"^rollout.tools: the python tool runs model-written"):
+            check_tools(cfg)  # what preflight runs before any worker starts
+        unsafe = ToolsConfig(names=["python"], python_isolation="none")
+        check_tools(Config(rollout=RolloutConfig(hook="tools", tools=unsafe)))
     finally:
         isolation.box_prefix.cache_clear()
