@@ -43,6 +43,18 @@ STDOUT_KEYS = (
 ``eval/<set>/pass@1`` when the step has one)."""
 
 
+def over_optimizer_steps(history: list[dict[str, float | None]]) -> dict[str, float | None]:
+    """The ``train/`` metrics of one RL step from its optimizer steps' (one per mini-batch
+    and iteration): each the mean over the steps that have it (None where none has), the
+    last step's beside them as ``last_step/<name>``, and ``optimizer_steps``, how many."""
+    means: dict[str, float | None] = {}
+    for key in history[0]:
+        values = [v for step in history if (v := step.get(key)) is not None]
+        means[key] = sum(values) / len(values) if values else None
+    last = {f"last_step/{key}": value for key, value in history[-1].items()}
+    return {**means, **last, "optimizer_steps": float(len(history))}
+
+
 def namespaced(namespace: str, metrics: dict[str, Any]) -> dict[str, Any]:
     """``metrics`` with every name under ``namespace/`` (one of ``NAMESPACES``)."""
     assert namespace in NAMESPACES, namespace

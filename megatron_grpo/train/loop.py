@@ -21,7 +21,7 @@ from megatron_grpo.mcore.layers import have_transformer_engine
 from megatron_grpo.mcore.model import build_model, sync_params
 from megatron_grpo.mcore.optim import build_optimizer
 from megatron_grpo.mcore.parallel import broadcast_object, init_parallel
-from megatron_grpo.metrics import MetricsLogger, namespaced
+from megatron_grpo.metrics import MetricsLogger, namespaced, over_optimizer_steps
 from megatron_grpo.rollout import stage as rollout_stage
 from megatron_grpo.rollout.producer import ProducerSpec, RolloutProducer
 from megatron_grpo.train import run_start, sources
@@ -127,7 +127,7 @@ def _train(cfg: Config, ctx, start: run_start.RunStart) -> None:
                 step,
                 {
                     **namespaced("rollout", batch.stats),
-                    **namespaced("train", history[-1]),
+                    **namespaced("train", over_optimizer_steps(history)),
                     **namespaced("perf", perf),
                     **namespaced("eval", evaluate(step) or {}),
                 },

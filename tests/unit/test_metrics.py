@@ -191,3 +191,22 @@ def test_an_all_masked_batch_reports_its_token_means_as_not_measured(tmp_path, c
     log.close()
     assert read_metrics(tmp_path)[0]["train/entropy"] is None
     assert "entropy" not in capsys.readouterr().out
+
+
+def test_train_metrics_are_means_over_the_optimizer_steps_with_the_last_beside_them():
+    from megatron_grpo.metrics import over_optimizer_steps
+
+    history = [
+        {"loss": 1.0, "grad_norm": 4.0, "kl": None},
+        {"loss": 2.0, "grad_norm": 2.0, "kl": None},
+        {"loss": 6.0, "grad_norm": None, "kl": None},
+    ]
+    assert over_optimizer_steps(history) == {
+        "loss": 3.0,
+        "grad_norm": 3.0,  # the steps that have one
+        "kl": None,
+        "last_step/loss": 6.0,
+        "last_step/grad_norm": None,
+        "last_step/kl": None,
+        "optimizer_steps": 3.0,
+    }
