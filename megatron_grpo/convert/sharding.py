@@ -172,16 +172,3 @@ def layer_location(
     return LayerLocation(pp_rank, vp_stage, layer_idx % per_chunk)
 
 
-def global_layer_index(
-    local_idx: int,
-    num_layers: int,
-    pp_rank: int,
-    pp_size: int,
-    vp_stage: int = 0,
-    vpp_size: int | None = None,
-) -> int:
-    """The global index of local layer ``local_idx`` of a chunk; inverse of ``layer_location``."""
-    layers = chunk_layer_range(num_layers, pp_rank, pp_size, vp_stage, vpp_size)
-    if not 0 <= local_idx < len(layers):
-        raise ValueError(f"local layer {local_idx} is outside a chunk of {len(layers)} layers")
-    return layers[local_idx]

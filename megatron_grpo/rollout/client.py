@@ -283,10 +283,6 @@ class SGLangClient(EngineCalls):
         """Abort every request on every server; they finish with type ``abort``."""
         await self._fan_out("POST", "/abort_request", {"abort_all": True})
 
-    def in_flight_rids(self) -> list[str]:
-        """The rids of ``/generate`` requests now waiting for an answer."""
-        return list(self._in_flight)
-
     def _abort_in_background(self, url: str, rid: str) -> None:
         # A cancelled or timed-out request may still be running on the server.
         task = asyncio.get_running_loop().create_task(self._abort_quietly(url, rid))

@@ -31,10 +31,8 @@ import logging
 import shutil
 import tempfile
 import threading
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, Protocol
-
-import torch
 
 from megatron_grpo.config import ModelConfig, RolloutConfig
 from megatron_grpo.rollout.io_loop import IOLoop
@@ -217,16 +215,6 @@ class RolloutRuntime:
         for a thread that generates, from another, at the end of a run."""
         self._stopped = True
         self.io.cancel_running()
-
-    def push_weights(self, named: Mapping[str, torch.Tensor], *, weight_version: str) -> None:
-        """Send HF-named weights held by this process alone (one sender) to every engine."""
-        while True:
-            plan = self.begin_push(weight_version)
-            report = self.sender.send(iter([named]), plan)
-            if self.finish_push(plan, [report]):  # else: engines were dropped; again
-                break
-        if plan.check:
-            self.check_push(plan, self.sender.check(plan))
 
     def begin_push(self, weight_version: str) -> SyncPlan:
         """Open a push on every engine in use (pause, flush, begin) and say how the stage

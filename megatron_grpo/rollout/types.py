@@ -45,10 +45,6 @@ class SamplingParams:
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be >= 0, got {self.stop_token_ids}")
 
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
-
 
 @dataclass(frozen=True, kw_only=True)
 class RolloutRequest:

@@ -306,7 +306,7 @@ def test_abort_mid_generation(server):
         async with SGLangClient(ClientConfig(urls=(server.urls[0],))) as client:
             task = asyncio.create_task(client.generate(request))
             deadline = time.monotonic() + 30
-            while not client.in_flight_rids():
+            while not list(client._in_flight):
                 assert time.monotonic() < deadline
                 await asyncio.sleep(0.05)
             await asyncio.sleep(1.0)  # some tokens generated

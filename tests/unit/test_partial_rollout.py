@@ -8,6 +8,7 @@ import threading
 import time
 
 import torch
+from engine_push import push_weights
 
 from megatron_grpo.config import RolloutConfig
 from megatron_grpo.config.hf import model_config_from_hf
@@ -47,7 +48,7 @@ def test_a_weight_update_mid_generation_resumes_samples_at_the_new_version():
         deadline = time.monotonic() + 30
         while engine.stats.steps < 5 and time.monotonic() < deadline:
             time.sleep(0.001)
-        runtime.push_weights(new.state_dict(), weight_version="1")
+        push_weights(runtime, new.state_dict(), weight_version="1")
         producer.join(timeout=120)
         assert not producer.is_alive()
     finally:

@@ -290,9 +290,9 @@ def test_abort_by_rid_ends_only_that_sample(server):
             task = asyncio.create_task(
                 client.generate(RolloutRequest(prompts=PROMPTS[:2], sampling=LONG))
             )
-            await wait_until(lambda: in_engine(server) == 2 and len(client.in_flight_rids()) == 2)
+            await wait_until(lambda: in_engine(server) == 2 and len(list(client._in_flight)) == 2)
             finished = server.engine.stats.finished
-            await client.abort_request(min(client.in_flight_rids()))  # prompt 0's rid
+            await client.abort_request(min(list(client._in_flight)))  # prompt 0's rid
             await wait_until(lambda: server.engine.stats.finished == finished + 1)
             await wait_for_steps(server, 3)
             survivors = in_engine(server)

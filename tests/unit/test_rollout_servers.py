@@ -20,6 +20,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from engine_push import push_weights
 
 from megatron_grpo.config import RolloutConfig
 from megatron_grpo.launch import free_port
@@ -470,7 +471,7 @@ def test_a_dead_engine_is_dropped_and_taken_back_once_it_answers(tmp_path):
     prompts = [[1, 2, 3], [4, 5]]
 
     def push(version: str) -> None:
-        runtime.push_weights(named, weight_version=version)
+        push_weights(runtime, named, weight_version=version)
 
     def rollout() -> list:
         groups = runtime.generate_groups(prompts, cfg, seed=0, stop_token_ids=[])

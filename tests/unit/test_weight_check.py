@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_push import push_weights
 
 from megatron_grpo.config import RolloutConfig
 from megatron_grpo.config.hf import model_config_from_hf
@@ -38,10 +39,10 @@ def test_a_weight_the_engine_drops_is_named(monkeypatch, method):
     cfg = RolloutConfig(sync_method=method, check_weight_sync=True)  # type: ignore[arg-type]
     runtime = RolloutRuntime(cfg, hf_model=served, model_cfg=model_cfg)
     try:
-        runtime.push_weights(pushed, weight_version="1")  # a faithful engine passes
+        push_weights(runtime, pushed, weight_version="1")  # a faithful engine passes
         monkeypatch.setattr(embedded_server, "copy_into_model", loses_the_final_norm)
         pushed = {k: v + 1.0 for k, v in pushed.items()}
         with pytest.raises(RuntimeError, match=r"(?s)version 2.*: model\.norm\.weight: differs"):
-            runtime.push_weights(pushed, weight_version="2")
+            push_weights(runtime, pushed, weight_version="2")
     finally:
         runtime.close()
