@@ -165,6 +165,10 @@ class TrainConfig:
     """Save a checkpoint every this many steps (and at the end); 0 saves only at the end."""
     keep_last: int = 2
     """Checkpoints kept on disk."""
+    save_hf_interval: int | None = None
+    """Write the policy as a Hugging Face model (safetensors, config, generation config,
+    tokenizer) to ``<output_dir>/hf/step_<N>`` every this many steps and at the last step,
+    each pipeline stage its own layers; 0 or None writes none. All are kept."""
     allow_config_change: bool = False
     """Resume a run whose saved config differs in what was trained (``optim.lr``, the model,
     the data, ...); without it such a resume is refused, naming the keys
@@ -201,6 +205,8 @@ class TrainConfig:
             raise ValueError(f"train.global_batch_size must be >= 1, got {self.global_batch_size}")
         if self.save_interval < 0:
             raise ValueError(f"train.save_interval must be >= 0, got {self.save_interval}")
+        if self.save_hf_interval is not None and self.save_hf_interval < 0:
+            raise ValueError(f"train.save_hf_interval must be >= 0, got {self.save_hf_interval}")
         if not self.collective_timeout_s > 0:
             raise ValueError(
                 f"train.collective_timeout_s must be > 0, got {self.collective_timeout_s}"

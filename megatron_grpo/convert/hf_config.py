@@ -1,4 +1,5 @@
-"""``ModelConfig`` -> transformers config: the export direction.
+"""``ModelConfig`` -> transformers config, and the family a ``ModelConfig`` implies: the
+export direction.
 
 The other direction (an HF ``config.json`` -> ``ModelConfig``), the supported
 families and the checks between the two are ``megatron_grpo.config.hf``.
@@ -9,7 +10,25 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_grpo.config import ModelConfig
-from megatron_grpo.config.hf import LLAMA3_ROPE, Family, check_family, get_family, head_dim
+from megatron_grpo.config.hf import (
+    FAMILIES,
+    LLAMA3_ROPE,
+    Family,
+    check_family,
+    get_family,
+    head_dim,
+)
+
+
+def infer_family(cfg: ModelConfig) -> str:
+    """The one supported family whose QKV bias, q/k norm and experts ``cfg`` has."""
+    for name, fam in FAMILIES.items():
+        if (fam.qkv_bias, fam.qk_norm, fam.moe) == (cfg.add_qkv_bias, cfg.qk_layernorm, cfg.is_moe):
+            return name
+    raise ValueError(
+        f"no supported family has add_qkv_bias={cfg.add_qkv_bias}, "
+        f"qk_layernorm={cfg.qk_layernorm} and num_experts={cfg.num_experts}"
+    )
 
 
 def hf_config_from_model_config(model_cfg: ModelConfig, family: str | Family) -> Any:

@@ -11,7 +11,10 @@ Writing: ``ShardedWriter`` plans the output files up front from names, shapes
 and dtypes (huggingface_hub's splitter, as ``save_pretrained`` uses), takes
 tensors in order and writes each file with ``safetensors`` as soon as it is
 complete, so it holds about one file's worth; the index is written at the end
-when there is more than one file.
+when there is more than one file. ``StreamingWriter`` needs no plan: it starts a
+new file when the next tensors would overflow the current one (a pipeline stage
+writing its own layers as they come). ``write_side_files`` adds ``config.json``,
+``generation_config.json`` and the tokenizer files beside the weights.
 """
 
 from __future__ import annotations
@@ -41,6 +44,9 @@ from megatron_grpo.convert.weights import (
     megatron_layer_keys,
 )
 
+HF_FILES_DIR = "hf"
+"""The folder of a converted megatron checkpoint that keeps the source's config and
+tokenizer files (``convert hf-to-megatron``)."""
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 CONFIG_FILES = ("config.json", "generation_config.json")
@@ -200,6 +206,48 @@ class ShardedWriter:
             (self.out_dir / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
 
 
+class StreamingWriter:
+    """Writes tensors as they come into safetensors files of at most ``max_bytes`` each
+    (a bigger tensor gets a file of its own), named ``<prefix>-<k>.safetensors``.
+
+    Holds at most one file's tensors. ``close`` returns each file's name and tensor names,
+    in writing order, for an index that whoever gathers the files writes.
+    """
+
+    def __init__(self, out_dir: str | Path, prefix: str, max_bytes: int):
+        self.out_dir, self.prefix, self._max_bytes = Path(out_dir), prefix, max_bytes
+        self._pending: dict[str, Tensor] = {}
+        self._pending_bytes = 0
+        self.files: list[tuple[str, list[str]]] = []
+
+    def add(self, tensors: Mapping[str, Tensor]) -> None:
+        for name, tensor in tensors.items():
+            size = tensor.numel() * tensor.element_size()
+            if self._pending and self._pending_bytes + size > self._max_bytes:
+                self._flush()
+            self._pending[name] = tensor.contiguous()
+            self._pending_bytes += size
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        filename = f"{self.prefix}-{len(self.files):05d}.safetensors"
+        save_file(self._pending, self.out_dir / filename, {"format": "pt"})
+        self.files.append((filename, list(self._pending)))
+        self._pending, self._pending_bytes = {}, 0
+
+    def close(self) -> list[tuple[str, list[str]]]:
+        if self._pending:
+            self._flush()
+        return self.files
+
+
+def write_index(out_dir: Path, weight_map: Mapping[str, str], total_size: int) -> None:
+    """``model.safetensors.index.json``: which file holds each tensor."""
+    index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
+    (out_dir / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+
+
 def check_output_dir(out_dir: Path) -> None:
     """Refuse to mix new weights with old ones in ``out_dir``."""
     old = sorted(p.name for p in out_dir.glob("*.safetensors*")) if out_dir.is_dir() else []
@@ -236,28 +284,74 @@ def check_config_template(template_dir: Path, cfg: ModelConfig, family: str) -> 
 
 
 def write_hf_config(
-    out_dir: Path, cfg: ModelConfig, family: str, dtype: torch.dtype, template_dir: Path | None
+    out_dir: Path,
+    cfg: ModelConfig,
+    family: str,
+    dtype: torch.dtype,
+    template_dir: Path | None,
+    tokenizer_dir: Path | None = None,
 ) -> list[str]:
-    """``config.json`` (and ``generation_config.json``) for the exported weights.
+    """``config.json`` and ``generation_config.json`` for the exported weights.
 
-    With ``template_dir`` (the source model's files, kept by HF -> megatron
-    conversion) its config is written back after checking that it describes
-    ``cfg`` and ``family``, so token ids and other fields that ``ModelConfig``
-    does not hold survive the round trip. Without, the config is built from
-    ``cfg`` and no generation config is written (its token ids are unknown).
+    With ``template_dir`` (the source model's files: kept by HF -> megatron conversion,
+    or a run's ``train.init``) its config is written back after checking that it
+    describes ``cfg`` and ``family``, so token ids and other fields that ``ModelConfig``
+    does not hold survive the round trip, and so is its generation config. Without, the
+    config is built from ``cfg``; a missing generation config is then made from the
+    token ids of ``tokenizer_dir`` (none without a tokenizer: the ids are unknown).
     """
     from megatron_grpo.convert.hf_config import hf_config_from_model_config
 
     dtype_name = str(dtype).removeprefix("torch.")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    token_ids = _token_ids(tokenizer_dir) if tokenizer_dir is not None else {}
     if template_dir is None or not (template_dir / "config.json").is_file():
         hf_config = hf_config_from_model_config(cfg, family)
         hf_config.dtype = dtype_name
+        for key, value in token_ids.items():
+            setattr(hf_config, key, value)
         hf_config.save_pretrained(out_dir)
-        return ["config.json"]
-    check_config_template(template_dir, cfg, family)
-    template = read_hf_config(template_dir)
-    keys = [k for k in ("dtype", "torch_dtype") if k in template] or ["dtype"]
-    template |= dict.fromkeys(keys, dtype_name)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "config.json").write_text(json.dumps(template, indent=2) + "\n")
-    return ["config.json"] + copy_files(template_dir, out_dir, ("generation_config.json",))
+        written = ["config.json"]
+    else:
+        check_config_template(template_dir, cfg, family)
+        template = read_hf_config(template_dir)
+        keys = [k for k in ("dtype", "torch_dtype") if k in template] or ["dtype"]
+        template |= dict.fromkeys(keys, dtype_name)
+        (out_dir / "config.json").write_text(json.dumps(template, indent=2) + "\n")
+        written = ["config.json"]
+        written += copy_files(template_dir, out_dir, ("generation_config.json",))
+    if "generation_config.json" not in written and token_ids:
+        from transformers import GenerationConfig
+
+        GenerationConfig(**token_ids).save_pretrained(out_dir)
+        written.append("generation_config.json")
+    return written
+
+
+def _token_ids(tokenizer_dir: Path) -> dict[str, int]:
+    """The tokenizer's BOS, EOS and pad token ids, those it has."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    ids = {
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+    return {key: value for key, value in ids.items() if value is not None}
+
+
+def write_side_files(
+    out_dir: Path,
+    cfg: ModelConfig,
+    family: str,
+    dtype: torch.dtype,
+    template_dir: Path | None,
+    tokenizer_dir: Path | None,
+) -> list[str]:
+    """Everything of an exported model but its weights: ``write_hf_config`` and the
+    tokenizer files of ``tokenizer_dir``; the names written."""
+    written = write_hf_config(out_dir, cfg, family, dtype, template_dir, tokenizer_dir)
+    if tokenizer_dir is not None:
+        written += copy_files(tokenizer_dir, out_dir, TOKENIZER_FILES)
+    return written

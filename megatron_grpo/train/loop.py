@@ -24,7 +24,7 @@ from megatron_grpo.mcore.parallel import broadcast_object, init_parallel
 from megatron_grpo.metrics import MetricsLogger, namespaced, over_optimizer_steps
 from megatron_grpo.rollout import stage as rollout_stage
 from megatron_grpo.rollout.producer import ProducerSpec, RolloutProducer
-from megatron_grpo.train import run_start, sources
+from megatron_grpo.train import run_start, save_hf, sources
 from megatron_grpo.train import state as train_state
 from megatron_grpo.train.main_wait import MainRankWork
 from megatron_grpo.train.run_lock import HELD_ENV, RunLock, RunLockedError
@@ -138,6 +138,8 @@ def _train(cfg: Config, ctx, start: run_start.RunStart) -> None:
                 train_state.save(out, step, model=model, optimizer=optimizer,
                                  scheduler=scheduler, ctx=ctx, extra=extra,
                                  keep_last=cfg.train.keep_last)  # fmt: skip
+            if save_hf.due(cfg.train, step):
+                save_hf.save_hf(model, cfg, ctx, step)
     except BaseException:  # the engines stop and no request is left running; the error stays
         with contextlib.suppress(Exception):
             _close(logger, rollout)

@@ -21,6 +21,7 @@ import torch
 from megatron_grpo.mcore import checkpoint
 from megatron_grpo.mcore.model import sync_params
 from megatron_grpo.mcore.parallel import ParallelContext
+from megatron_grpo.train.save_hf import hf_root
 
 
 def checkpoints_dir(output_dir: str | Path) -> Path:
@@ -28,12 +29,14 @@ def checkpoints_dir(output_dir: str | Path) -> Path:
 
 
 def remove_partial_saves(output_dir: str | Path) -> list[Path]:
-    """Delete the ``.partial`` folders that saves cut short left behind; the ones removed.
+    """Delete the ``.partial`` folders that saves cut short left behind (checkpoints and
+    Hugging Face models, ``save_hf``); the ones removed.
 
     Only for the run that holds the output directory (see ``run_lock``): no other process
     can be writing them.
     """
     partial = sorted(checkpoints_dir(output_dir).glob("*.partial"))
+    partial += sorted(hf_root(output_dir).glob("*.partial"))
     for path in partial:
         shutil.rmtree(path, ignore_errors=True)
     return partial

@@ -119,8 +119,9 @@ def convert_load_export(cases: dict[str, dict], cli: dict) -> dict:
         load_model_config,
         resolve_hf_model,
     )
-    from megatron_grpo.commands.convert.megatron_to_hf import export_on_ranks, infer_family
+    from megatron_grpo.commands.convert.megatron_to_hf import export_on_ranks
     from megatron_grpo.config import ParallelDims
+    from megatron_grpo.convert.hf_config import infer_family
     from megatron_grpo.convert.hf_files import HFCheckpoint, write_hf_config
     from megatron_grpo.mcore.parallel import init_parallel
 
@@ -135,9 +136,23 @@ def convert_load_export(cases: dict[str, dict], cli: dict) -> dict:
         export_on_ranks(ctx, case["megatron_dir"], case["export_dir"], cfg, family)
         if ctx.is_main:  # no template: the config is built from the ModelConfig
             write_hf_config(Path(case["export_dir"]), cfg, family, torch.float32, None)
+        save_hf_from_checkpoint(ctx, cfg, case["megatron_dir"], case["saved_dir"])
     cfg = load_model_config(Path(cli["megatron_dir"], "model.yaml"))
     logits["cli"] = checkpoint_logits(ctx, cfg, cli["megatron_dir"], cli["tokens"])
     return logits
+
+
+def save_hf_from_checkpoint(ctx, cfg, megatron_dir: str, out_dir: str) -> None:
+    """What ``train.save_hf_interval`` writes, from a model loaded from ``megatron_dir``:
+    every stage its own layers, files of at most 100 KB."""
+    from megatron_grpo.mcore import checkpoint
+    from megatron_grpo.mcore.model import build_model
+    from megatron_grpo.train.save_hf import write_hf_model
+
+    model = build_model(cfg, ctx)
+    checkpoint.load_model(model, megatron_dir)
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    write_hf_model(model, cfg, ctx, Path(out_dir), None, None, max_bytes=100_000)
 
 
 # --------------------------------------------------------------------------- fixtures
@@ -192,7 +207,7 @@ def cli_round_trip(sources, tmp_path_factory) -> dict[str, Path]:
         *("--megatron-dir", str(megatron_dir), "--out", str(hf_dir), "--max-shard-size", "100KB"),
     )
     assert to_hf.returncode == 0, to_hf.stderr[-3000:]
-    assert to_hf.stdout.strip() == f"wrote {hf_dir}"
+    assert to_hf.stdout.strip() == f"wrote {hf_dir} from {megatron_dir}"
     return {"megatron": megatron_dir, "hf": hf_dir}
 
 
@@ -204,6 +219,7 @@ def launched(sources, cli_round_trip, tmp_path_factory) -> dict:
             "hf_dir": str(src["dir"]),
             "megatron_dir": str(root / name / "megatron"),
             "export_dir": str(root / name / "hf"),
+            "saved_dir": str(root / name / "saved"),
             "tokens": src["tokens"],
         }
         for name, src in sources.items()
@@ -252,6 +268,25 @@ def test_round_trip_is_bitwise(sources, launched, name):
         assert got_cfg.get(field) == want_cfg.get(field), field
     heads = want_cfg["hidden_size"] // want_cfg["num_attention_heads"]
     assert (got_cfg.get("head_dim") or heads) == (want_cfg.get("head_dim") or heads)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_every_stage_writes_its_layers_as_the_source_had_them(sources, launched, name):
+    """``save_hf``'s writer at TP2 x PP2: the source's tensors, bitwise, in files of each
+    stage and an index; the config as the export's."""
+    saved = Path(launched["cases"][name]["saved_dir"])
+    want, got = safetensors_state(sources[name]["dir"]), safetensors_state(saved)
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) and got[k].dtype == want[k].dtype for k in want)
+    index = json.loads((saved / "model.safetensors.index.json").read_text())
+    files = sorted(saved.glob("*.safetensors"))
+    assert sorted(set(index["weight_map"].values())) == [f.name for f in files]
+    assert files[-1].name == f"model-{len(files):05d}-of-{len(files):05d}.safetensors"
+    assert index["metadata"]["total_size"] == sum(
+        t.numel() * t.element_size() for t in got.values()
+    )
+    export_dir = Path(launched["cases"][name]["export_dir"])
+    assert (saved / "config.json").read_text() == (export_dir / "config.json").read_text()
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -67,10 +67,14 @@ def convert_load_export(cases: dict[str, dict]) -> dict:
         convert_hf_on_ranks,
         resolve_hf_model,
     )
-    from megatron_grpo.commands.convert.megatron_to_hf import export_on_ranks, infer_family
+    from megatron_grpo.commands.convert.megatron_to_hf import export_on_ranks
     from megatron_grpo.config import ParallelDims
+    from megatron_grpo.convert.hf_config import infer_family
     from megatron_grpo.convert.hf_files import HFCheckpoint, write_hf_config
+    from megatron_grpo.mcore import checkpoint
+    from megatron_grpo.mcore.model import build_model
     from megatron_grpo.mcore.parallel import init_parallel
+    from megatron_grpo.train.save_hf import write_hf_model
 
     ctx = init_parallel(ParallelDims(tp=2, pp=2, ep=2))
     logits = {}
@@ -83,6 +87,11 @@ def convert_load_export(cases: dict[str, dict]) -> dict:
         export_on_ranks(ctx, case["megatron_dir"], case["export_dir"], cfg, family)
         if ctx.is_main:
             write_hf_config(Path(case["export_dir"]), cfg, family, torch.float32, None)
+        # what train.save_hf_interval writes: every stage its layers, the experts over EP
+        model = build_model(cfg, ctx)
+        checkpoint.load_model(model, case["megatron_dir"])
+        Path(case["saved_dir"]).mkdir(parents=True, exist_ok=True)
+        write_hf_model(model, cfg, ctx, Path(case["saved_dir"]), None, None)
     return {"logits": logits, "ep_rank": ctx.ep_rank}
 
 
@@ -100,6 +109,7 @@ def launched(tmp_path_factory) -> dict:
             "hf_dir": str(root / name / "source"),
             "megatron_dir": str(root / name / "megatron"),
             "export_dir": str(root / name / "hf"),
+            "saved_dir": str(root / name / "saved"),
             "tokens": tokens,
         }
     results = run_workers(f"{HERE}:convert_load_export", 8, kwargs={"cases": cases}, timeout=420)
@@ -120,6 +130,18 @@ def test_round_trip_at_tp2_pp2_ep2_is_bitwise(launched, name):
     got_cfg = json.loads((export_dir / "config.json").read_text())
     for field in CONFIG_FIELDS:
         assert got_cfg.get(field) == want_cfg.get(field), field
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_every_stage_writes_its_layers_and_experts_as_the_source_had_them(launched, name):
+    """``save_hf``'s writer at TP2 x PP2 x EP2 (DP2): the source's tensors, bitwise, one
+    file per stage."""
+    saved = Path(launched["cases"][name]["saved_dir"])
+    want, got = safetensors_state(launched["sources"][name]["dir"]), safetensors_state(saved)
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) and got[k].dtype == want[k].dtype for k in want)
+    index = json.loads((saved / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) == 2
 
 
 @pytest.mark.parametrize("name", list(CASES))

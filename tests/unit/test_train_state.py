@@ -31,9 +31,12 @@ def test_a_pointer_to_an_incomplete_checkpoint_is_named(tmp_path):
 def test_saves_cut_short_are_removed_and_complete_ones_kept(tmp_path):
     from megatron_grpo.train.state import checkpoints_dir, remove_partial_saves
 
-    root = checkpoints_dir(tmp_path)
+    root, hf = checkpoints_dir(tmp_path), tmp_path / "hf"  # checkpoints and save_hf's models
     for name in ("step_00000001", "step_00000002.partial"):
-        (root / name).mkdir(parents=True)
-        (root / name / "shard").write_text("x")
-    assert [p.name for p in remove_partial_saves(tmp_path)] == ["step_00000002.partial"]
+        for folder in (root, hf):
+            (folder / name).mkdir(parents=True)
+            (folder / name / "shard").write_text("x")
+    removed = [p.relative_to(tmp_path).as_posix() for p in remove_partial_saves(tmp_path)]
+    assert removed == ["checkpoints/step_00000002.partial", "hf/step_00000002.partial"]
     assert sorted(p.name for p in root.iterdir()) == ["step_00000001"]
+    assert sorted(p.name for p in hf.iterdir()) == ["step_00000001"]

@@ -13,9 +13,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import warnings
 from collections.abc import Callable
 from pathlib import Path
+
+from megatron_grpo.console import quiet_third_party_warnings
 
 HF_TO_MEGATRON = """\
 Convert a Hugging Face Llama / Qwen2 / Qwen3 checkpoint to a megatron-core one.
@@ -28,12 +29,15 @@ and tokenizer files). See docs/conversion.md."""
 MEGATRON_TO_HF = """\
 Export a megatron-core checkpoint (any TP/PP layout) as a Hugging Face model.
 
-Reads model.yaml and hf/ (config template, tokenizer) from the checkpoint
-directory when present, as hf-to-megatron writes them. Writes config.json,
-model.safetensors (or shards and an index), and copies the generation config
-and tokenizer files. Starts the --num-procs reader processes itself (or runs
-as one of them under torchrun with WORLD_SIZE = --num-procs). See
-docs/conversion.md."""
+--megatron-dir is a training run (its latest checkpoint), one of its
+checkpoints (<run>/checkpoints/step_N), or a checkpoint made by hf-to-megatron.
+A run's saved config gives the model, its train.init the config template and
+its tokenizer the tokenizer; a converted checkpoint's model.yaml and hf/ give
+them. The run state saved beside the model (optimizer, RNG, step) is not read.
+Writes config.json, generation_config.json, model.safetensors (or shards and
+an index) and the tokenizer files. Starts the --num-procs reader processes
+itself (or runs as one of them under torchrun with WORLD_SIZE = --num-procs).
+See docs/conversion.md."""
 
 FAMILIES = ["auto", "llama", "qwen2", "qwen3", "qwen3_moe"]
 DTYPE_NAMES = ["float32", "bfloat16", "float16"]
@@ -75,7 +79,10 @@ def add_hf_to_megatron_args(parser: argparse.ArgumentParser) -> None:
 
 def add_megatron_to_hf_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--megatron-dir", required=True, type=existing_dir, help="distributed checkpoint directory"
+        "--megatron-dir",
+        required=True,
+        type=existing_dir,
+        help="a training run, one of its checkpoints, or a converted checkpoint",
     )
     parser.add_argument("--out", required=True, help="HF model directory to write")
     parser.add_argument(
@@ -85,15 +92,19 @@ def add_megatron_to_hf_args(parser: argparse.ArgumentParser) -> None:
         help="HF family to write; auto: from the model config's QKV bias / q-k norm / experts",
     )
     parser.add_argument(
-        "--model-config", help="YAML model config (default: <megatron-dir>/model.yaml)"
+        "--model-config",
+        help="YAML model config, or a run config with a model: section "
+        "(default: the run's config.yaml, else <megatron-dir>/model.yaml)",
     )
     parser.add_argument(
         "--hf-config-dir",
         help="directory whose config.json (and generation_config.json) is written back, "
-        "after checking it matches (default: <megatron-dir>/hf when present)",
+        "after checking it matches (default: the run's train.init, else <megatron-dir>/hf)",
     )
     parser.add_argument(
-        "--tokenizer-dir", help="copy tokenizer files from here (default: <megatron-dir>/hf)"
+        "--tokenizer-dir",
+        help="copy tokenizer files from here "
+        "(default: the run's tokenizer, else <megatron-dir>/hf)",
     )
     parser.add_argument(
         "--dtype",
@@ -178,7 +189,7 @@ def megatron_to_hf(args: argparse.Namespace) -> int:
     def convert() -> str:
         from megatron_grpo.commands.convert.megatron_to_hf import convert_megatron_to_hf
 
-        out = convert_megatron_to_hf(
+        checkpoint = convert_megatron_to_hf(
             args.megatron_dir,
             args.out,
             family=args.family,
@@ -190,7 +201,7 @@ def megatron_to_hf(args: argparse.Namespace) -> int:
             num_procs=args.num_procs,
             timeout=args.timeout,
         )
-        return f"wrote {out}"
+        return f"wrote {args.out} from {checkpoint}"
 
     return run_conversion(args.prog, convert, worker="reader")
 
@@ -198,7 +209,7 @@ def megatron_to_hf(args: argparse.Namespace) -> int:
 def run_conversion(name: str, convert: Callable[[], str], *, worker: str) -> int:
     """Run ``convert`` (it returns what to print when done) and map failures to exit codes:
     2 for bad input (named in the message), 1 when one of the ``worker`` processes failed."""
-    warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed")
+    quiet_third_party_warnings()
     from megatron_grpo.launch import WorkerError
 
     try:

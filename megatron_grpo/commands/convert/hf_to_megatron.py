@@ -39,6 +39,7 @@ from megatron_grpo.config.hf import (
 from megatron_grpo.config.init_model import MODEL_CONFIG_FILE
 from megatron_grpo.convert.hf_files import (
     CONFIG_FILES,
+    HF_FILES_DIR,
     TOKENIZER_FILES,
     HFCheckpoint,
     MegatronView,
@@ -47,8 +48,6 @@ from megatron_grpo.convert.hf_files import (
 from megatron_grpo.convert.sharding import chunk_layer_range, shard_for_rank
 from megatron_grpo.convert.weights import hf_to_megatron
 from megatron_grpo.mcore.model import DTYPES
-
-HF_FILES_DIR = "hf"
 
 
 def load_model_config(path: str | Path) -> ModelConfig:

@@ -25,25 +25,21 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from megatron_grpo.commands.convert.export_source import resolve_source
 from megatron_grpo.commands.convert.hf_to_megatron import (
-    HF_FILES_DIR,
-    load_model_config,
     progress_file,
     relayed_progress,
     under_torchrun,
 )
 from megatron_grpo.config import ModelConfig, ParallelDims
-from megatron_grpo.config.hf import FAMILIES, check_family, get_family
-from megatron_grpo.config.init_model import MODEL_CONFIG_FILE
+from megatron_grpo.config.hf import check_family, get_family
 from megatron_grpo.convert.experts import split_stacked_experts
+from megatron_grpo.convert.hf_config import infer_family
 from megatron_grpo.convert.hf_files import (
-    TOKENIZER_FILES,
     ShardedWriter,
     check_config_template,
     check_output_dir,
-    check_tokenizer_dir,
-    copy_files,
-    write_hf_config,
+    write_side_files,
 )
 from megatron_grpo.convert.layout import resize_vocab
 from megatron_grpo.convert.weights import (
@@ -169,7 +165,10 @@ def _read_unit(
 
     request = {} if unit is None else _unit_request(unit, metadata, sharded)
     # Each rank asks for a different slice: the union covers nothing in particular.
-    return dist_checkpointing.load(request, megatron_dir, validate_access_integrity=False)
+    loaded = dist_checkpointing.load(request, megatron_dir, validate_access_integrity=False)
+    # The load adds the checkpoint's common entries: a training checkpoint's run state
+    # (optimizer groups, scheduler, step, 'extra') is not the model's.
+    return {key: loaded[key] for key in request}
 
 
 def export_on_ranks(
@@ -235,21 +234,6 @@ def _export_worker(
     return ctx.rank
 
 
-def infer_family(cfg: ModelConfig) -> str:
-    """The one supported family whose QKV bias, q/k norm and experts ``cfg`` has."""
-    for name, fam in FAMILIES.items():
-        if (fam.qkv_bias, fam.qk_norm, fam.moe) == (
-            cfg.add_qkv_bias,
-            cfg.qk_layernorm,
-            cfg.is_moe,
-        ):
-            return name
-    raise ValueError(
-        f"no supported family has add_qkv_bias={cfg.add_qkv_bias}, "
-        f"qk_layernorm={cfg.qk_layernorm} and num_experts={cfg.num_experts}"
-    )
-
-
 def convert_megatron_to_hf(
     megatron_dir: str | Path,
     out_dir: str | Path,
@@ -263,53 +247,52 @@ def convert_megatron_to_hf(
     num_procs: int = 2,
     timeout: float = 6 * 3600.0,
 ) -> Path:
-    """Export a distributed checkpoint (any layout) as an HF directory; returns ``out_dir``.
+    """Export a distributed checkpoint (any layout) as an HF directory; returns the
+    checkpoint read.
 
-    ``model_config`` defaults to ``<megatron_dir>/model.yaml``; ``hf_config_dir``
-    (the config template) and ``tokenizer_dir`` default to ``<megatron_dir>/hf``
-    when it exists. ``dtype`` is that of the written weights (default: the
-    model config's ``params_dtype``; megatron keeps norms in fp32). Starts
-    ``num_procs`` reader processes, or, under torchrun with that world size,
-    runs as one of them.
+    ``megatron_dir`` is a training run (its latest checkpoint), a training checkpoint, or
+    a converted checkpoint; the model config, config template and tokenizer default to
+    what it names (``export_source.resolve_source``). ``dtype`` is that of the written
+    weights (default: the model config's ``params_dtype``; megatron keeps norms in fp32).
+    Starts ``num_procs`` reader processes, or, under torchrun with that world size, runs
+    as one of them.
     """
     from megatron_grpo.launch import run_workers
 
     if num_procs < 2:
         raise ValueError(f"num_procs={num_procs}: reading slices takes at least 2 processes")
-    sidecar = Path(megatron_dir, HF_FILES_DIR)
-    cfg = load_model_config(model_config or Path(megatron_dir, MODEL_CONFIG_FILE))
+    source = resolve_source(
+        megatron_dir,
+        model_config=model_config,
+        hf_config_dir=hf_config_dir,
+        tokenizer_dir=tokenizer_dir,
+    )
+    ckpt, cfg = source.checkpoint, source.model
     family = infer_family(cfg) if family == "auto" else family
     torch_dtype = DTYPES[dtype or cfg.params_dtype]  # megatron keeps norms in fp32
-    plan = plan_megatron_export(megatron_dir, cfg, family, torch_dtype)
-    template = Path(hf_config_dir) if hf_config_dir else None
-    if template is None and (sidecar / "config.json").is_file():
-        template = sidecar
-    if template is not None:
-        check_config_template(template, cfg, family)
-    tokenizer = Path(tokenizer_dir) if tokenizer_dir else (sidecar if sidecar.is_dir() else None)
-    if tokenizer_dir:
-        check_tokenizer_dir(Path(tokenizer_dir))
+    plan = plan_megatron_export(ckpt, cfg, family, torch_dtype)
+    if source.template is not None:
+        check_config_template(source.template, cfg, family)
     out = Path(out_dir)
     check_output_dir(out)
     out.mkdir(parents=True, exist_ok=True)
 
-    def write_side_files() -> None:
-        write_hf_config(out, cfg, family, next(iter(plan[0].values())).dtype, template)
-        if tokenizer is not None:
-            copy_files(tokenizer, out, TOKENIZER_FILES)
+    def write_side() -> None:
+        dtype = next(iter(plan[0].values())).dtype
+        write_side_files(out, cfg, family, dtype, source.template, source.tokenizer)
 
     if under_torchrun(num_procs):
         from megatron_grpo.mcore.parallel import init_parallel
 
         ctx = init_parallel(ParallelDims())
-        export_on_ranks(ctx, megatron_dir, out, cfg, family, torch_dtype, max_shard_size)
+        export_on_ranks(ctx, ckpt, out, cfg, family, torch_dtype, max_shard_size)
         if ctx.is_main:
-            write_side_files()
-        return out
+            write_side()
+        return ckpt
     with relayed_progress() as progress:
-        kwargs = dict(megatron_dir=str(megatron_dir), out_dir=str(out), cfg=cfg, family=family)
+        kwargs = dict(megatron_dir=str(ckpt), out_dir=str(out), cfg=cfg, family=family)
         kwargs |= dict(dtype=torch_dtype, size=max_shard_size, progress=progress)
         target = f"{__name__}:_export_worker"
         run_workers(target, num_procs, kwargs=kwargs, timeout=timeout)
-    write_side_files()
-    return out
+    write_side()
+    return ckpt
