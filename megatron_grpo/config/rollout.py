@@ -347,8 +347,23 @@ class RewardConfig:
     """remote: POST {"batch": [...]} with up to this many samples and read a list of
     rewards from remote_field; None sends one request per sample."""
     custom_function: str | None = None
-    """custom: ``package.module:function`` taking (response, label, metadata) -> float;
-    an ``async def`` one is awaited for many samples at once (max_concurrency)."""
+    """custom: ``package.module:function``, called as custom_style says; an ``async def``
+    one is awaited for many samples (or batches) at once (max_concurrency)."""
+    custom_pickle: str | None = None
+    """custom: instead of custom_function, a file holding the function pickled; what
+    ``megatron_grpo.train(reward_fn=...)`` writes (``<output_dir>/reward_fn.pkl``) for a
+    function object that other processes cannot import by name. Unpickling runs code: give
+    only a file you trust."""
+    custom_style: Literal["auto", "native", "trl", "verl"] = "auto"
+    """custom: how the function is called. native: ``fn(response, label, metadata) ->
+    float`` per sample; trl: TRL's ``fn(prompts, completions, **kwargs) -> list[float]``
+    once per batch, the item's columns as keyword arguments; verl: verl's
+    ``compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float |
+    dict`` per sample. auto: by the names of its parameters (native when it has none of
+    TRL's or verl's). docs/python_api.md has the arguments of each."""
+    label_name: str | None = None
+    """custom_style=trl: the keyword argument that carries the item's label; None: the
+    label's column, data.label_key."""
     on_error: Literal["fail", "zero"] = "fail"
     """When a reward function raises, runs past timeout_s or returns a non-finite value:
     stop the run, or score 0."""
@@ -410,12 +425,17 @@ class RewardConfig:
                 "reward.timeout_s must be > 0 and reward.max_concurrency >= 1, "
                 f"got {self.timeout_s}, {self.max_concurrency}"
             )
-        if self.type == "custom":
+        if self.label_name == "":
+            raise ValueError("reward.label_name must not be empty")
+        if self.type == "custom" and self.custom_pickle is not None:
+            if self.custom_function is not None:
+                raise ValueError("give reward.custom_function or reward.custom_pickle, not both")
+        elif self.type == "custom":
             module, sep, name = (self.custom_function or "").partition(":")
             if not (module and sep and name):
                 raise ValueError(
-                    "reward.type=custom needs reward.custom_function='package.module:function', "
-                    f"got {self.custom_function!r}"
+                    "reward.type=custom needs reward.custom_function='package.module:function' "
+                    f"(or reward.custom_pickle), got {self.custom_function!r}"
                 )
 
 

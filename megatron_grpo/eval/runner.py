@@ -92,7 +92,9 @@ class Evaluator:
         texts = [response_text(s, self.tokenizer) for group in groups for s in group]
         labels = [it.label for it in items for _ in range(n)]
         metas = [reward_metadata(s, it.metadata) for it, group in zip(items, groups) for s in group]
-        scored = self.scorer.score(texts, labels, metas)
+        prompts = [it.prompt_text for it in items for _ in range(n)]
+        ids = [list(s.output_ids) for group in groups for s in group]
+        scored = self.scorer.score(texts, labels, metas, prompts=prompts, completion_ids=ids)
         rewards = [scored.rewards[i * n : (i + 1) * n] for i in range(len(items))]
         lengths = [len(s.output_ids) for group in groups for s in group]
         metrics = group_metrics(

@@ -1,13 +1,15 @@
 """Reward functions for GRPO.
 
 A reward function is ``fn(response_text, label, item_metadata) -> float``, or an
-``async def`` of the same. ``RewardScorer(RewardConfig(...)).score(responses,
+``async def`` of the same; a custom one may also be written as TRL's or verl's are
+(``reward.custom_style``, adapters.py). ``RewardScorer(RewardConfig(...)).score(responses,
 labels, metadatas)`` picks one from the config and scores a batch (async ones
 concurrently, sync ones inline or in worker processes), handling failures per
 sample.
 """
 
 from megatron_grpo.config import RewardConfig, RewardType
+from megatron_grpo.rewards.adapters import TrlReward, VerlReward, adapt, detect_style
 from megatron_grpo.rewards.custom import load_function
 from megatron_grpo.rewards.math_answer import MathReward, extract_boxed, math_reward
 from megatron_grpo.rewards.pool import RewardTimeout, WorkerPool
@@ -35,8 +37,12 @@ __all__ = [
     "RewardType",
     "RewardTimeout",
     "ScoreResult",
+    "TrlReward",
+    "VerlReward",
     "WorkerPool",
+    "adapt",
     "build_reward_function",
+    "detect_style",
     "exact_match",
     "extract_boxed",
     "load_function",

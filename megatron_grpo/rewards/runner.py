@@ -7,6 +7,11 @@
 - A sync function runs in this process, one sample after another, with no
   limit but its own (the math reward has one); or, with ``num_workers``, in
   worker processes that are killed after ``timeout_s`` (rewards/pool.py).
+- A batched function (``batched = True``: a TRL-style one, rewards/adapters.py) is called
+  once with the whole batch, ``fn(responses, labels, metadatas)``, and returns one value per
+  sample: inline; or awaited with ``timeout_s``; or, with ``num_workers``, in one worker
+  process, the whole call under ``timeout_s``. When the call fails, every sample gets its
+  exception.
 Each result is the function's value or the exception it raised. With ``stop_if``, a
 batch stops at the first result it holds true of: the samples still queued or running
 are abandoned (tasks cancelled, worker processes killed) and get a ``RewardCancelled``.
@@ -29,6 +34,11 @@ CANCEL_WAIT_S = 1.0
 def is_async(fn: Callable[..., Any]) -> bool:
     """An ``async def`` function, or an instance of a class whose ``__call__`` is one."""
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
+
+
+def is_batched(fn: Callable[..., Any]) -> bool:
+    """A function that scores a whole batch in one call (its ``batched`` attribute)."""
+    return getattr(fn, "batched", False) is True
 
 
 async def gather(
@@ -91,6 +101,8 @@ class RewardRunner:
     ) -> list[Any]:
         """Each job's value or exception; ``stop_if``: stop at the first result it holds
         true of, the jobs not done getting a ``RewardCancelled``."""
+        if is_batched(self.fn):
+            return self._run_batched(jobs)
         if is_async(self.fn):
             return http.run_sync(
                 gather(
@@ -112,6 +124,26 @@ class RewardRunner:
             if stop_if is not None and stop_if(results[-1]):
                 return results + [RewardCancelled() for _ in range(len(jobs) - len(results))]
         return results
+
+    def _run_batched(self, jobs: Sequence[tuple[Any, ...]]) -> list[Any]:
+        """One call of a batched function on every job; its exception for each when it fails."""
+        if not jobs:
+            return []
+        batch = tuple(list(column) for column in zip(*jobs, strict=True))
+        if is_async(self.fn):
+            [values] = http.run_sync(
+                gather(self.fn, [batch], max_concurrency=1, timeout_s=self.timeout_s)
+            )
+        elif self.pool is not None:
+            [values] = self.pool.map([batch])
+        else:
+            try:
+                values = self.fn(*batch)
+            except Exception as e:
+                values = e
+        if isinstance(values, Exception):
+            return [values] * len(jobs)
+        return values
 
     def close(self) -> None:
         if self.pool is not None:

@@ -1,13 +1,15 @@
 """``RewardScorer``: a batch of responses in, one finite reward per response out.
 
-The main function runs as rewards/runner.py says: an async one concurrently,
-a sync one inline or in worker processes (``reward.num_workers``). A reward
-function that raises, runs past ``reward.timeout_s``, or returns something that
-is not a finite number, is an error of that sample. ``on_error="fail"``: the first
-error stops the batch (the samples still running are abandoned: tasks cancelled,
-worker processes killed) and is raised as a ``RewardError`` that names the reward,
-the sample and the cause. ``on_error="zero"``: the sample scores 0.0 and is counted,
-and a batch's errors are logged as one line (how many, and the first).
+The main function is a built-in one or a custom one called in its style (native, TRL's
+or verl's: rewards/adapters.py), and runs as rewards/runner.py says: an async one
+concurrently, a sync one inline or in worker processes (``reward.num_workers``), a
+TRL-style one once per batch. A reward function that raises, runs past
+``reward.timeout_s``, or returns something that is not a finite number, is an error of
+that sample. ``on_error="fail"``: the first error stops the batch (the samples still
+running are abandoned: tasks cancelled, worker processes killed) and is raised as a
+``RewardError`` that names the reward, the sample and the cause. ``on_error="zero"``: the
+sample scores 0.0 and is counted, and a batch's errors are logged as one line (how many,
+and the first).
 """
 
 from __future__ import annotations
@@ -22,7 +24,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_grpo.config import RewardConfig
-from megatron_grpo.rewards.custom import load_function
+from megatron_grpo.rewards.adapters import (
+    COMPLETION_IDS_KEY,
+    PROMPT_KEY,
+    TrlReward,
+    VerlReward,
+    adapt,
+)
+from megatron_grpo.rewards.custom import IN_PROCESS, load_function, load_pickled
 from megatron_grpo.rewards.math_answer import MathReward
 from megatron_grpo.rewards.memo import RewardMemo, is_deterministic
 from megatron_grpo.rewards.pool import RewardCancelled
@@ -80,8 +89,10 @@ def format_reward(config: RewardConfig) -> FormatReward:
     )
 
 
-def build_reward_function(config: RewardConfig) -> RewardFn:
-    """The main reward function of a config (imports a custom one: may raise ValueError)."""
+def build_reward_function(config: RewardConfig, *, label_key: str = "label") -> RewardFn:
+    """The main reward function of a config (imports a custom one: may raise ValueError);
+    ``label_key``: the label's column (data.label_key), which a TRL-style function gets it
+    under unless reward.label_name says otherwise."""
     # Module-level callables only: a worker process receives the function pickled.
     if config.type == "math":
         return MathReward(timeout_s=config.math_timeout_s)
@@ -98,14 +109,22 @@ def build_reward_function(config: RewardConfig) -> RewardFn:
             retries=config.remote_retries,
             backoff=config.remote_retry_backoff,
         )
-    assert config.type == "custom" and config.custom_function is not None
-    return load_function(config.custom_function)
+    assert config.type == "custom"
+    if config.custom_pickle is not None:
+        fn = load_pickled(config.custom_pickle)
+    else:
+        assert config.custom_function is not None  # RewardConfig checks this
+        fn = load_function(config.custom_function)
+    return adapt(fn, config.custom_style, label_name=config.label_name or label_key)
 
 
 def reward_name(config: RewardConfig) -> str:
     """The reward as errors and warnings name it: its type, and what it calls."""
     if config.type == "custom":
-        return f"custom {config.custom_function}"
+        spec = config.custom_function or f"pickled in {config.custom_pickle}"
+        if spec.startswith(IN_PROCESS):
+            spec = f"function object {spec[len(IN_PROCESS) :]}"
+        return f"custom {spec}"
     if config.type == "remote":
         return f"remote {config.remote_url}"
     return config.type
@@ -130,13 +149,34 @@ def _failed(value: object) -> bool:
     return False
 
 
+def _with_context(
+    metadatas: Sequence[dict[str, Any]],
+    prompts: Sequence[Any] | None,
+    completion_ids: Sequence[Sequence[int]] | None,
+) -> list[dict[str, Any]]:
+    """Each sample's metadata with its prompt and completion ids, for a TRL-style function
+    (they travel with it through the memo and to worker processes)."""
+    out = []
+    for i, meta in enumerate(metadatas):
+        extra: dict[str, Any] = {}
+        if prompts is not None:
+            extra[PROMPT_KEY] = prompts[i]
+        if completion_ids is not None:
+            extra[COMPLETION_IDS_KEY] = list(completion_ids[i])
+        out.append({**meta, **extra})
+    return out
+
+
 class RewardScorer:
     """Scores batches of responses as a ``RewardConfig`` says."""
 
-    def __init__(self, config: RewardConfig) -> None:
+    def __init__(self, config: RewardConfig, *, label_key: str = "label") -> None:
+        """``label_key``: the column the labels come from (data.label_key)."""
         self.config = config
+        self.reward_fn = build_reward_function(config, label_key=label_key)
         self.name = reward_name(config)
-        self.reward_fn = build_reward_function(config)
+        if isinstance(self.reward_fn, TrlReward | VerlReward):
+            self.name += f" ({self.reward_fn.style}-style)"
         self.format_fn = format_reward(config) if config.format_weight != 0 else None
         remote = isinstance(self.reward_fn, RemoteReward)
         self.runner = RewardRunner(
@@ -202,15 +242,26 @@ class RewardScorer:
         labels: Sequence[Any],
         metadatas: Sequence[dict[str, Any]],
         *,
+        prompts: Sequence[Any] | None = None,
+        completion_ids: Sequence[Sequence[int]] | None = None,
         warn: bool = True,
     ) -> ScoreResult:
-        """``warn``: log the batch's errors (``on_error="zero"``) as one line; False for a
-        caller that scores a batch in parts and logs their errors together."""
-        if not len(responses) == len(labels) == len(metadatas):
+        """``prompts``, ``completion_ids``: each sample's prompt and generated token ids,
+        which a TRL-style function gets as ``prompts`` and ``completion_ids`` (None
+        without them); the other styles do not read them. ``warn``: log the batch's errors
+        (``on_error="zero"``) as one line; False for a caller that scores a batch in parts
+        and logs their errors together."""
+        counts = {"responses": len(responses), "labels": len(labels), "metadatas": len(metadatas)}
+        for name, given in (("prompts", prompts), ("completion ids", completion_ids)):
+            if given is not None:
+                counts[name] = len(given)
+        if len(set(counts.values())) != 1:
             raise ValueError(
-                f"score() needs one label and one metadata per response, got "
-                f"{len(responses)} responses, {len(labels)} labels, {len(metadatas)} metadatas"
+                "score() needs one label and one metadata (and prompt and completion ids, when "
+                "given) per response, got " + ", ".join(f"{n} {k}" for k, n in counts.items())
             )
+        if isinstance(self.reward_fn, TrlReward) and (prompts, completion_ids) != (None, None):
+            metadatas = _with_context(metadatas, prompts, completion_ids)
         values = self._main_values(responses, labels, metadatas)
         rewards: list[float] = []
         failed: list[tuple[int, Exception]] = []

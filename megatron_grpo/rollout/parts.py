@@ -40,7 +40,7 @@ class RolloutParts:
             cfg=cfg,
             tokenizer=tokenizer,
             sampler=sampler,
-            scorer=RewardScorer(cfg.reward),
+            scorer=RewardScorer(cfg.reward, label_key=cfg.data.label_key),
             stop=rollout_stage.stop_token_ids(tokenizer, cfg.rollout.stop_token_ids),
             hook=load_hook(cfg.rollout, tokenizer),
         )

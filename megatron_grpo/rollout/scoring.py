@@ -26,10 +26,18 @@ logger = logging.getLogger(__name__)
 class GroupScoring:
     """Scores the groups handed to ``submit``; ``result`` puts them together in prompt order."""
 
-    def __init__(self, scorer, tokenizer, labels: Sequence[Any], metadatas: Sequence[dict]):
-        """``labels`` and ``metadatas`` hold one entry per prompt."""
+    def __init__(
+        self,
+        scorer,
+        tokenizer,
+        labels: Sequence[Any],
+        metadatas: Sequence[dict],
+        prompts: Sequence[str] | None = None,
+    ):
+        """``labels``, ``metadatas`` and ``prompts`` (the prompts' text, for a TRL-style
+        reward) hold one entry per prompt."""
         self.scorer, self.tokenizer = scorer, tokenizer
-        self.labels, self.metadatas = labels, metadatas
+        self.labels, self.metadatas, self.prompts = labels, metadatas, prompts
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="scoring")
         self._scored: dict[int, concurrent.futures.Future[ScoreResult | None]] = {}
         self._failed = threading.Event()
@@ -45,8 +53,12 @@ class GroupScoring:
         texts = [self.tokenizer.decode(list(g.output_ids), skip_special_tokens=True) for g in group]
         n = len(group)
         labels, metadatas = [self.labels[prompt_index]] * n, [self.metadatas[prompt_index]] * n
+        prompts = None if self.prompts is None else [self.prompts[prompt_index]] * n
+        ids = [list(g.output_ids) for g in group]
         try:
-            return self.scorer.score(texts, labels, metadatas, warn=False)
+            return self.scorer.score(
+                texts, labels, metadatas, prompts=prompts, completion_ids=ids, warn=False
+            )
         except RewardError:
             self._failed.set()
             raise

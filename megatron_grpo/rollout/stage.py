@@ -151,7 +151,8 @@ def _generate_and_score(
     prompts = [it.prompt_ids for it in items]
     if hook is None and scorer.runs_elsewhere:
         labels, metas = [it.label for it in items], [it.metadata for it in items]
-        with GroupScoring(scorer, tokenizer, labels, metas) as scoring:
+        texts_of_prompts = [it.prompt_text for it in items]
+        with GroupScoring(scorer, tokenizer, labels, metas, texts_of_prompts) as scoring:
             groups = runtime.generate_groups(
                 prompts, cfg, seed=seed, stop_token_ids=stop_token_ids, on_group=scoring.submit
             )
@@ -165,7 +166,9 @@ def _generate_and_score(
     metas = [
         rollout_hook.reward_metadata(s, it.metadata) for it, grp in zip(items, groups) for s in grp
     ]
-    return groups, scorer.score(texts, labels, metas)
+    texts_of_prompts = [it.prompt_text for it in items for _ in range(cfg.samples_per_prompt)]
+    ids = [list(s.output_ids) for grp in groups for s in grp]
+    return groups, scorer.score(texts, labels, metas, prompts=texts_of_prompts, completion_ids=ids)
 
 
 def _complete(kept_gens, kept_rewards, flat_gens, flat_rewards, size: int) -> int:

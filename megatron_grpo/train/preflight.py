@@ -118,7 +118,7 @@ def preflight(cfg: Config, world_size: int) -> None:
         except ValueError as e:
             raise ValueError(f"eval.datasets[{spec.name}]: {e}") from None
     try:
-        RewardScorer(cfg.reward)  # imports a custom reward function
+        RewardScorer(cfg.reward, label_key=cfg.data.label_key)  # imports a custom function
     except ValueError as e:
         raise ValueError(f"reward.{cfg.reward.type}: {e}") from None
     check_tools(cfg)

@@ -82,6 +82,7 @@ class Item:
     prompt_ids: list
     label: str
     metadata: dict
+    prompt_text: str = ""
 
 
 def episodes(tokenizer, *, tools=TOOLS, max_new_tokens=32, seed=0, n=2, call="calculator 2+3"):
@@ -179,7 +180,7 @@ def test_stage_trains_on_model_tokens_only_and_counts_them_by_hand(tokenizer):
             return [Item(ids(tokenizer, "2+3="), "5", {}) for _ in range(n)]
 
     class Scorer:
-        def score(self, texts, labels, metas):
+        def score(self, texts, labels, metas, **kwargs):
             return type("S", (), {"rewards": [float(t == lb) for t, lb in zip(texts, labels)],
                                   "num_errors": 0})()  # fmt: skip
 
@@ -255,7 +256,7 @@ def test_evaluation_runs_the_hook_when_the_run_has_one(tokenizer, tmp_path):
     })  # fmt: skip
 
     class Scorer:
-        def score(self, texts, labels, metas):
+        def score(self, texts, labels, metas, **kwargs):
             return type("S", (), {"rewards": [float(t == lb) for t, lb in zip(texts, labels)],
                                   "num_errors": 0})()  # fmt: skip
 

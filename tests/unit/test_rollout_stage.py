@@ -15,6 +15,7 @@ class Item:
     prompt_ids: list
     label: str
     metadata: dict
+    prompt_text: str = ""
 
 
 class Sampler:
@@ -86,9 +87,12 @@ class Scorer:
         self.runs_elsewhere = runs_elsewhere
         self.scored = threading.Event()
 
-    def score(self, texts, labels, metas, warn=True):
+    def score(self, texts, labels, metas, **kwargs):
         self.calls += 1
         self.scored.set()
+        # what a TRL-style reward reads: each sample's prompt and completion ids
+        assert len(kwargs["prompts"]) == len(kwargs["completion_ids"]) == len(texts)
+        assert all(isinstance(ids, list) for ids in kwargs["completion_ids"])
         out = []
         for t, label in zip(texts, labels):
             out.append(1.0 if int(label) % 2 == 0 and t == "1" else 0.0)
