@@ -170,5 +170,3 @@ def layer_location(
     per_chunk = _layers_per_chunk(num_layers, pp_size, vpp_size)
     vp_stage, pp_rank = divmod(layer_idx // per_chunk, pp_size)
     return LayerLocation(pp_rank, vp_stage, layer_idx % per_chunk)
-
-
