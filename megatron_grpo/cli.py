@@ -71,7 +71,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         if start.kind == "complete":
             print(start.describe(cfg))
             return 0
-        code = _preflight_in_child(args.nproc, args.argv)
+        code = _preflight_in_child(args.nproc, cfg)
         if code:
             return code
         with RunLock(cfg.output_dir) as lock:  # before any process starts
@@ -91,13 +91,18 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _preflight_in_child(nproc: int, argv: list[str]) -> int:
-    """``preflight`` for ``nproc`` processes in a process that then exits: it loads the
-    tokenizer, the data and the reward (torch and transformers with them), which the
-    launcher, alive for the whole run, should not hold. Its error lines are printed
-    here; its exit code is returned (2 for a refused config)."""
-    cmd = [sys.executable, "-m", "megatron_grpo.train.preflight", str(nproc), *argv]
-    done = subprocess.run(cmd, capture_output=True, text=True)
+def _preflight_in_child(nproc: int, cfg) -> int:
+    """``preflight`` of the resolved ``cfg`` for ``nproc`` processes, in a process that then
+    exits: it loads the tokenizer, the data and the reward (torch and transformers with
+    them), which the launcher, alive for the whole run, should not hold. Its error lines
+    are printed here; its exit code is returned (2 for a refused config)."""
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="preflight_") as resolved:
+        resolved.write(dump_config(cfg))
+        resolved.flush()
+        cmd = [sys.executable, "-m", "megatron_grpo.train.preflight", str(nproc), resolved.name]
+        done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode:
         print(done.stderr.rstrip() or f"preflight failed ({done.returncode})", file=sys.stderr)
     return done.returncode

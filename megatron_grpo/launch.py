@@ -16,12 +16,14 @@ with its parent, and temporary files that go with the process that made them.
 
 from __future__ import annotations
 
+import ctypes
 import getpass
 import importlib
 import importlib.util
 import logging
 import os
 import pickle
+import pkgutil
 import re
 import signal
 import socket
@@ -39,22 +41,25 @@ class WorkerError(RuntimeError):
 
 PR_SET_PDEATHSIG = 1
 
+# Looked up once, here: between fork and exec (``preexec_fn``) a child of a process with
+# threads must not import or dlopen, only call.
+_prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+
 
 def die_with_parent(sig: int = signal.SIGTERM) -> None:
     """Have the kernel send ``sig`` to this process when its parent dies (Linux).
 
     torchrun puts each worker in a session of its own, so killing the launcher's process
     group, even with SIGKILL, leaves the workers running; with this, a worker whose torchrun
-    is gone, and a torchrun whose ``megatron-grpo train --nproc`` is gone, get ``sig``
-    (torchrun stops its workers on SIGTERM). Gets ``sig`` at once if the parent is already
-    gone. Safe between fork and exec (``preexec_fn``); does nothing off Linux.
+    is gone, a torchrun whose ``megatron-grpo train --nproc`` is gone, and a rollout server
+    whose trainer is gone get ``sig`` (torchrun stops its workers on SIGTERM). Gets ``sig``
+    at once if the parent is already gone. Safe between fork and exec (``preexec_fn``);
+    does nothing off Linux.
     """
-    if not sys.platform.startswith("linux"):
+    if _prctl is None:
         return
-    import ctypes
-
     parent = os.getppid()
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
+    _prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
     if os.getppid() != parent:  # orphaned before the call took effect
         os.kill(os.getpid(), sig)
 
@@ -230,16 +235,16 @@ def _load_result(path: Path) -> Any:
 
 
 def resolve(target: str):
-    """The function named by ``module:function`` or ``file.py:function``."""
+    """The function named by ``module:function`` (``pkgutil.resolve_name``) or
+    ``file.py:function`` (a test's workers, loaded by path)."""
     where, _, name = target.rpartition(":")
-    if where.endswith(".py"):
-        spec = importlib.util.spec_from_file_location(Path(where).stem, where)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-    else:
-        module = importlib.import_module(where)
+    if not where.endswith(".py"):
+        return pkgutil.resolve_name(target)
+    spec = importlib.util.spec_from_file_location(Path(where).stem, where)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
     return getattr(module, name)
 
 

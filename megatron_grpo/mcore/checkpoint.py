@@ -16,8 +16,8 @@ from typing import Any
 import torch.distributed as dist
 
 from megatron_grpo.mcore.checkpoint_writes import IN_PROCESS_BYTES, local_bytes, writes_in_process
-from megatron_grpo.mcore.model import unwrap
 from megatron_grpo.mcore.parallel import ParallelContext
+from megatron_grpo.mcore.wrappers import unwrap
 
 
 def _model_keys(model: list) -> list[str]:

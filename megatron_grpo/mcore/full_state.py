@@ -39,8 +39,9 @@ from megatron_grpo.convert.weights import (
     with_layer_index,
 )
 from megatron_grpo.mcore.checkpoint import model_sharded_state_dict
-from megatron_grpo.mcore.model import sync_params, unwrap
+from megatron_grpo.mcore.model import sync_params
 from megatron_grpo.mcore.parallel import ParallelContext
+from megatron_grpo.mcore.wrappers import unwrap
 
 _VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
 

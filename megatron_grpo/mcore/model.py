@@ -12,8 +12,6 @@ the loss function alone decides the scale of the gradient.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 
@@ -23,13 +21,6 @@ from megatron_grpo.mcore.layers import block_spec
 from megatron_grpo.mcore.parallel import ParallelContext
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def unwrap(chunk: torch.nn.Module) -> Any:
-    """The GPTModel inside a chunk's wrappers (DDP, Float16Module)."""
-    while hasattr(chunk, "module"):
-        chunk = chunk.module  # type: ignore[assignment]
-    return chunk
 
 
 def transformer_config(cfg: ModelConfig, ctx: ParallelContext, train: TrainConfig | None = None):

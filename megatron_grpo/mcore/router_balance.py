@@ -27,6 +27,7 @@ from torch import Tensor
 from megatron_grpo.algo.normalization import aux_loss_weight, sequence_balance_loss
 from megatron_grpo.config import ModelConfig
 from megatron_grpo.mcore.parallel import ParallelContext
+from megatron_grpo.mcore.wrappers import unwrap
 
 
 class RouterBalance:
@@ -116,6 +117,5 @@ class RouterBalance:
 
 def router_balance(model: list) -> RouterBalance | None:
     """The ``RouterBalance`` that ``mcore.model.build_model`` installed on a MoE model."""
-    from megatron_grpo.mcore.model import unwrap
 
     return getattr(unwrap(model[0]), "router_balance", None)

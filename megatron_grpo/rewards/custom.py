@@ -17,6 +17,7 @@ import contextlib
 import importlib
 import pickle
 import pickletools
+import pkgutil
 import re
 import sys
 import types
@@ -47,16 +48,15 @@ def load_function(spec: str, what: str = "custom reward") -> Callable[..., Any]:
             "(package.module:function), or call megatron_grpo.train() again with it"
         )
     try:
-        module = importlib.import_module(module_name)
+        importlib.import_module(module_name)
     except Exception as e:  # the module may fail in its own code, not only be missing
         raise ValueError(
             f"{what} {spec!r}: cannot import {module_name!r}: {type(e).__name__}: {e}"
         ) from e
-    obj: Any = module
-    for part in attr.split("."):  # "module:Class.method" works too
-        if not hasattr(obj, part):
-            raise ValueError(f"{what} {spec!r}: {module_name!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
+    try:
+        obj = pkgutil.resolve_name(spec)  # "module:Class.method" works too
+    except AttributeError:
+        raise ValueError(f"{what} {spec!r}: {module_name!r} has no attribute {attr!r}") from None
     if not callable(obj):
         raise ValueError(f"{what} {spec!r} is a {type(obj).__name__}, not a callable")
     return obj

@@ -174,7 +174,7 @@ class RolloutRuntime:
 
         ``on_group(prompt_index, group)`` is called with each group as soon as its last
         sample is done (on the runtime's event loop thread: it must not block)."""
-        from megatron_grpo.rollout.hook import sampling_params
+        from megatron_grpo.rollout.episode import sampling_params
         from megatron_grpo.rollout.types import RolloutRequest
 
         request = RolloutRequest(

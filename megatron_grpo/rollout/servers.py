@@ -27,21 +27,20 @@ lives as long as they should (the main thread).
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import shlex
 import signal
 import string
 import subprocess
-import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from megatron_grpo import http
+from megatron_grpo.launch import die_with_parent, free_port
 
 logger = logging.getLogger(__name__)
 
@@ -181,32 +180,6 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
-def _die_with_parent_hook() -> Callable[[], None] | None:
-    """A ``preexec_fn`` asking Linux to SIGTERM the child when its parent dies; None elsewhere.
-
-    libc is looked up here, in the parent: between fork and exec the child
-    only makes the one call.
-    """
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    pr_set_pdeathsig = 1
-
-    def hook() -> None:
-        prctl(pr_set_pdeathsig, int(signal.SIGTERM))
-
-    return hook
-
-
-def _free_port() -> int:
-    from megatron_grpo.launch import free_port
-
-    return free_port()
-
-
 def _start_one(cfg: LaunchConfig, index: int, port: int) -> ServerProcess:
     log_path = Path(cfg.log_dir) / f"server_{index}.log"
     argv = server_argv(cfg, index, port)
@@ -220,7 +193,7 @@ def _start_one(cfg: LaunchConfig, index: int, port: int) -> ServerProcess:
             stderr=subprocess.STDOUT,
             env={**os.environ, **cfg.env},
             start_new_session=True,
-            preexec_fn=_die_with_parent_hook(),
+            preexec_fn=die_with_parent,
         )
     host = "127.0.0.1" if cfg.host in ("", "0.0.0.0") else cfg.host
     url = f"http://{host}:{port}"
@@ -375,7 +348,7 @@ class ServerGroup:
 def launch_servers(cfg: LaunchConfig) -> ServerGroup:
     """Start the servers, wait until each generates, register them with the router if any."""
     Path(cfg.log_dir).mkdir(parents=True, exist_ok=True)
-    ports = cfg.ports or tuple(_free_port() for _ in range(cfg.num_servers))
+    ports = cfg.ports or tuple(free_port() for _ in range(cfg.num_servers))
     group = ServerGroup(
         urls=(), router_url=cfg.router_url, stop_grace_s=cfg.stop_grace_s, launch=cfg
     )

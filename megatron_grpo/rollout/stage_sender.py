@@ -31,10 +31,12 @@ import uuid
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
+
+from megatron_grpo.rollout.server_kinds import ServerKind, server_kinds
 
 SyncMethod = Literal["tensor", "disk", "distributed"]
 
@@ -408,34 +410,3 @@ def compare_sample(name: str, ours: Tensor, theirs: Tensor) -> str | None:
     if diff > 2**-7 * scale + 1e-6:
         return f"{name}: differs by up to {diff:.3g} (largest value {scale:.3g})"
     return None
-
-
-class ServerKind(NamedTuple):
-    embedded: bool
-    """The embedded server, not SGLang."""
-    tp_size: int
-    host: str | None
-
-    def tensor_way(self) -> str:
-        """How ``/update_weights_from_tensor`` reaches this engine from this process."""
-        from megatron_grpo.rollout.embedded.weights import shared_memory_available
-
-        if not self.embedded:
-            return "sglang"
-        local = self.host == socket.gethostname() and shared_memory_available()
-        return "shm" if local else "body"
-
-
-async def server_kinds(client: Any) -> dict[str, ServerKind]:
-    """What each engine in use is, from its ``/server_info``."""
-    from megatron_grpo.rollout.embedded.server import SERVER_VERSION
-
-    infos = await asyncio.gather(*(client.server_info(url) for url in client.urls))
-    return {
-        url: ServerKind(
-            embedded=info.get("version") == SERVER_VERSION,
-            tp_size=int(info.get("tp_size", 1)),
-            host=info.get("hostname"),
-        )
-        for url, info in zip(client.urls, infos)
-    }

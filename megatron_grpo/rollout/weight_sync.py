@@ -17,10 +17,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from megatron_grpo.config import ModelConfig
-from megatron_grpo.rollout.stage_sender import StageReport, server_kinds
+from megatron_grpo.rollout.server_kinds import server_kinds
 
 if TYPE_CHECKING:
     from megatron_grpo.rollout.sglang_weights import UpdateGroup
+    from megatron_grpo.rollout.stage_sender import StageReport
 
 
 async def open_update_group(

@@ -138,16 +138,17 @@ def check_tools(cfg: Config) -> None:
 
 
 def main(argv: list[str]) -> int:
-    """``python -m megatron_grpo.train.preflight NPROC <megatron-grpo arguments>``: what the
-    ``--nproc`` launcher runs in a process of its own; exit 2 with one line when refused."""
+    """``python -m megatron_grpo.train.preflight NPROC CONFIG``: ``preflight`` of a resolved
+    config file for NPROC processes, what the ``--nproc`` launcher runs in a process of its
+    own; exit 2 with one line when refused."""
     import sys
 
-    from megatron_grpo.cli import build_parser
     from megatron_grpo.config import load_config
+    from megatron_grpo.console import quiet_third_party_warnings
 
-    args = build_parser().parse_args(argv[1:])
+    quiet_third_party_warnings()  # its stderr is printed when it refuses
     try:
-        preflight(load_config(args.config, args.overrides), int(argv[0]))
+        preflight(load_config(argv[1]), int(argv[0]))
     except (ValueError, FileNotFoundError) as e:
         print(f"megatron-grpo: error: {e}", file=sys.stderr)
         return 2

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_grpo.config import ToolsConfig
-from megatron_grpo.rollout.hook import EngineSession, Episode, EpisodeInput, Trajectory
+from megatron_grpo.rollout.episode import EngineSession, Episode, EpisodeInput, Trajectory
 from megatron_grpo.rollout.tools.calls import (
     CallFormatError,
     call_body,
