@@ -82,7 +82,7 @@ class DryRunReport:
             f"to shrink activations and logits ({_gib(w.activations + w.logits)} GiB)"
         )
         fixes = [spread, shrink] if model_states >= w.activations + w.logits else [shrink, spread]
-        if not self.cfg.optim.distributed_optimizer and self.dp > 1:
+        if not self.cfg.optim.use_distributed_optimizer and self.dp > 1:
             fixes.insert(
                 0,
                 "set optim.use_distributed_optimizer=true to shard the optimizer states "
@@ -212,7 +212,7 @@ def _format_memory(r: DryRunReport) -> list[str]:
     if cfg.optim.optimizer == "adam":
         states += ["exp_avg", "exp_avg_sq"]
     optim = f"{cfg.optim.optimizer}: {' + '.join(states) or 'no state'}"
-    if cfg.optim.distributed_optimizer:
+    if cfg.optim.use_distributed_optimizer:
         optim += f"; sharded over DP={r.dp} (distributed optimizer)"
         if m.is_moe:
             optim += f", experts' over expert-DP={r.dp * dims.tp // dims.ep}"

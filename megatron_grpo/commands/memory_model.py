@@ -320,8 +320,8 @@ def stage_memory(
     m, dims = cfg.model, cfg.parallel
     n = params.total
     weight_bytes = DTYPE_BYTES[m.params_dtype]
-    shards = dp * dims.cp if cfg.optim.distributed_optimizer else 1
-    expert_shards = dp * dims.tp // dims.ep if cfg.optim.distributed_optimizer else 1
+    shards = dp * dims.cp if cfg.optim.use_distributed_optimizer else 1
+    expert_shards = dp * dims.tp // dims.ep if cfg.optim.use_distributed_optimizer else 1
     experts = params.expert_params
     tokens = cfg.train.max_tokens_per_micro_batch / dims.cp
     unfused = uses_unfused_attention(cfg, unfused_attention)

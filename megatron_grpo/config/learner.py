@@ -58,11 +58,6 @@ class OptimConfig:
     forward pass instead of right after the step. The trainer gathers them first whenever
     it reads the weights (weight sync, checkpoints)."""
 
-    @property
-    def distributed_optimizer(self) -> bool:
-        """Whether the optimizer state is sharded over DP (``use_distributed_optimizer``)."""
-        return self.use_distributed_optimizer
-
     def __post_init__(self) -> None:
         if self.use_distributed_optimizer and self.optimizer != "adam":
             raise ValueError(

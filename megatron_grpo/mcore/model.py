@@ -218,7 +218,7 @@ def build_model(
         chunks = [c.cuda() for c in chunks]
     if not wrap_ddp:
         return chunks
-    distributed = optim is not None and optim.distributed_optimizer
+    distributed = optim is not None and optim.use_distributed_optimizer
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=optim is not None and optim.overlap_grad_reduce,

@@ -17,10 +17,10 @@ def build_optimizer(cfg: OptimConfig, model_cfg: ModelConfig, model: list, ctx: 
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     built_for = model[0].ddp_config.use_distributed_optimizer
-    if built_for != cfg.distributed_optimizer:
+    if built_for != cfg.use_distributed_optimizer:
         raise ValueError(
-            f"the model's DDP was built with use_distributed_optimizer={built_for}, the "
-            f"optimizer config says {cfg.distributed_optimizer}: build both from one OptimConfig"
+            f"the model's DDP was built with use_distributed_optimizer={built_for}, the optimizer "
+            f"config says {cfg.use_distributed_optimizer}: build both from one OptimConfig"
         )
 
     dtype = DTYPES[model_cfg.params_dtype]
@@ -36,7 +36,7 @@ def build_optimizer(cfg: OptimConfig, model_cfg: ModelConfig, model: list, ctx: 
         clip_grad=cfg.clip_grad,
         bf16=model_cfg.params_dtype == "bfloat16",
         params_dtype=dtype,
-        use_distributed_optimizer=cfg.distributed_optimizer,
+        use_distributed_optimizer=cfg.use_distributed_optimizer,
     )
     optimizer = get_megatron_optimizer(
         ocfg, model, use_gloo_process_groups=False, pg_collection=ctx.pg

@@ -255,7 +255,7 @@ def test_config_imports_nothing_above_it():
 
 def test_scale_options_and_their_refusals_are_named():
     cfg = load_config(None, [])
-    assert not cfg.optim.distributed_optimizer
+    assert not cfg.optim.use_distributed_optimizer
     assert cfg.optim.overlap_grad_reduce and cfg.optim.overlap_param_gather
     assert cfg.parallel.sequence_parallel and not cfg.parallel.uses_sequence_parallel  # TP=1
     assert load_config(None, ["parallel.tp=2"]).parallel.uses_sequence_parallel
