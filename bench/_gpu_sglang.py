@@ -167,15 +167,15 @@ async def _generate(urls, args) -> dict[str, Any]:
 
 
 def _sync(urls, learner) -> dict[str, Any]:
-    """Three pushes as the trainer makes them (``WeightPush``, ``sync_method=tensor``)."""
-    from megatron_grpo.config import RolloutConfig
+    """Three pushes as the trainer makes them (``WeightPush``, ``rollout.sync.method=tensor``)."""
+    from megatron_grpo.config import EnginesConfig, RolloutConfig
     from megatron_grpo.mcore.hf_export import stage_hf_layers
     from megatron_grpo.rollout.runtime import RolloutRuntime
     from megatron_grpo.rollout.types import RolloutRequest, SamplingParams
     from megatron_grpo.train.weight_push import WeightPush
 
     model, ctx, cfg = learner
-    rollout = RolloutConfig(engine="sglang", urls=list(urls), check_weight_sync=False)
+    rollout = RolloutConfig(engines=EnginesConfig(type="sglang", urls=list(urls)))
     runtime = RolloutRuntime(rollout, model_cfg=cfg)
     push = WeightPush(cfg, rollout, ctx, main_sender=runtime.sender)
     nbytes = sum(

@@ -5,7 +5,7 @@
 
 Each run is ``megatron-grpo train`` itself (1 learner process), pinned to CPU core 0 with
 ``taskset``, while the rollout side is pinned to core 1: its engine, an embedded server in
-a process of its own launched by the trainer (``rollout.launch_command``), and with
+a process of its own launched by the trainer (``rollout.engines.launch_command``), and with
 staleness 1 the rollout producer's process (``rollout.producer_cpus``: HTTP client,
 decoding, rewards, advantages) with its reward worker. The learner and the rollout side
 each have one core, as they would have their own GPUs and hosts; in the synchronous loop
@@ -60,8 +60,8 @@ def run(out: Path, data: Path, *, staleness: int, steps: int, args) -> list[dict
         "train.init": data / "model",
         "data.path": data / "train.jsonl",
         "parallel.pp": 1,
-        "rollout.engine": "sglang",
-        "rollout.launch_command": engine,
+        "rollout.engines.type": "sglang",
+        "rollout.engines.launch_command": engine,
         "rollout.max_staleness": staleness,
         "rollout.prompts_per_step": args.prompts,
         "rollout.samples_per_prompt": args.samples,

@@ -5,7 +5,7 @@
     python bench/weight_sync.py --quick
 
 One push is what the trainer does after each step (``train.weight_push.WeightPush``,
-``sync_method=tensor``): every pipeline stage's sender gathers its layers over TP, a layer
+``rollout.sync.method=tensor``): every pipeline stage's sender gathers its layers over TP, a layer
 at a time, maps them to Hugging Face names and streams safetensors buckets to the embedded
 server, which runs in a process of its own (``python -m megatron_grpo.rollout.embedded``);
 the other DP replica's ranks only take part in nothing but the parameter check. The
@@ -16,7 +16,7 @@ Reported: push / save wall-time ratio; push / save CPU-time ratio with the CPU o
 learner rank and of the server process counted; push MB/s; and each rank's peak resident
 memory growth during a push (sampled every millisecond, glibc told to return freed memory),
 against ``memory_model.weight_push_bytes``. The last push is read back from the server
-(``rollout.check_weight_sync``).
+(``rollout.sync.check``).
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def worker(*, tp: int, pp: int, model_cfg, url: str, server_pid: int, repeats: i
     import torch.distributed as dist
 
     from megatron_grpo.commands.memory_model import weight_push_bytes
-    from megatron_grpo.config import ParallelDims, RolloutConfig
+    from megatron_grpo.config import EnginesConfig, ParallelDims, RolloutConfig, WeightSyncConfig
     from megatron_grpo.convert.weights import megatron_to_hf
     from megatron_grpo.mcore.full_state import gather_full_state
     from megatron_grpo.mcore.model import build_model
@@ -90,7 +90,9 @@ def worker(*, tp: int, pp: int, model_cfg, url: str, server_pid: int, repeats: i
 
     ctx = init_parallel(ParallelDims(tp=tp, pp=pp))
     model = build_model(model_cfg, ctx, wrap_ddp=False)
-    rollout = RolloutConfig(engine="sglang", urls=[url], sync_bucket_mb=BUCKET_MB)
+    rollout = RolloutConfig(
+        engines=EnginesConfig(type="sglang", urls=[url]), sync=WeightSyncConfig(bucket_mb=BUCKET_MB)
+    )
     runtime = RolloutRuntime(rollout, model_cfg=model_cfg) if ctx.is_main else None
     push = WeightPush(model_cfg, rollout, ctx, main_sender=runtime.sender if runtime else None)
     version = iter(range(1 << 30))
@@ -128,7 +130,7 @@ def worker(*, tp: int, pp: int, model_cfg, url: str, server_pid: int, repeats: i
     )
     memory = [None] * ctx.world_size
     dist.all_gather_object(memory, {"growth": growth, "shard": shard, "tp": tp, "pp": pp})
-    rollout.check_weight_sync = True
+    rollout.sync.check = True
     push_once()  # read back from the server: it holds what the learner has
     times = sum_over_ranks(times)
     push.close()

@@ -70,8 +70,8 @@ TRAIN_ARGS=(
   "${PERF_ARGS[@]}"
   "${ROLLOUT_ARGS[@]}"
   --set data.path="$DATA"
-  --set rollout.urls="[${URL_LIST%,}]"
-  --set rollout.sync_master_address="$MASTER_ADDR"
+  --set rollout.engines.urls="[${URL_LIST%,}]"
+  --set rollout.sync.master_address="$MASTER_ADDR"
 )
 
 run_recipe() {

@@ -36,7 +36,7 @@ from typing import Any
 
 from megatron_grpo.config import Config, apply_override, dump_config, from_dict, to_dict
 from megatron_grpo.config.init_model import fill_model_section
-from megatron_grpo.config.loader import read_yaml
+from megatron_grpo.config.loader import move_keys, new_key, read_yaml, set_dotted
 
 Overrides = Sequence[str] | Mapping[str, Any]
 """``["optim.lr=1e-6", ...]`` (values parsed as YAML, as ``--set`` does) or
@@ -116,26 +116,17 @@ def build_config(
         raw = copy.deepcopy(dict(config))
     else:
         raw = read_yaml(config) if config is not None else {}
+    move_keys(raw)
     if isinstance(overrides, str):
         raise ValueError(f"overrides: give a list of 'key=value' or a mapping, got {overrides!r}")
     if isinstance(overrides, Mapping):
         for key, value in overrides.items():
-            _set_dotted(raw, key, value)
+            set_dotted(raw, new_key(key), value)
     else:
         for item in overrides or []:
             apply_override(raw, item)
     fill_model_section(raw)
     return from_dict(Config, raw)
-
-
-def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
-    *parents, leaf = key.split(".")
-    node = raw
-    for part in parents:
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
-            raise ValueError(f"override {key!r}: {part!r} is not a section")
-    node[leaf] = value
 
 
 def other_processes(cfg: Config, nproc: int) -> str | None:

@@ -7,11 +7,12 @@ import os
 import shlex
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 from megatron_grpo.commands.convert.cli import add_parser as add_convert_parser
 from megatron_grpo.commands.invariance.cli import add_parser as add_invariance_parser
-from megatron_grpo.config import dump_config, load_config
+from megatron_grpo.config import MovedKeyWarning, dump_config, load_config
 from megatron_grpo.console import quiet_third_party_warnings
 
 
@@ -36,6 +37,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     flags = {"train.allow_config_change": args.allow_config_change}
     flags["metrics.print_config"] = args.print_config
     overrides = args.overrides + [f"{key}=true" for key, on in flags.items() if on]
+    if ERROR_DIR_ENV in os.environ or os.environ.get("RANK", "0") != "0":
+        # a worker: the launcher (or rank 0) says which of the config's keys moved
+        warnings.filterwarnings("ignore", category=MovedKeyWarning)
     cfg = load_config(args.config, overrides)  # fail fast, before any process starts
     sizing = (args.world_size, args.nnodes, args.gpus_per_node, args.gpu_memory_gb)
     if not args.dry_run and any(x is not None for x in sizing):

@@ -241,8 +241,8 @@ def _format_memory(r: DryRunReport) -> list[str]:
         + ")",
         *(f"  {name:<18}{_gib(v):>7}  {note}" for name, v, note in rows),
         "weight push, extra memory of each stage's sender (2 decoder layers or embeddings, "
-        f"2 buckets of {cfg.rollout.sync_bucket_mb} MiB or the largest tensor): "
-        f"{_gib(weight_push_bytes(m, cfg.rollout.sync_bucket_mb << 20))} GiB; the full model "
+        f"2 buckets of {cfg.rollout.sync.bucket_mb} MiB or the largest tensor): "
+        f"{_gib(weight_push_bytes(m, cfg.rollout.sync.bucket_mb << 20))} GiB; the full model "
         f"would be {_gib(total_params(m) * DTYPE_BYTES[m.params_dtype])} GiB",
     ]
 

@@ -8,10 +8,14 @@ field, checked when built:
 - ``model``, ``parallel``: config/model.py; the model from a Hugging Face
   ``config.json``: config/hf.py
 - ``optim``, ``loss``, ``train``: config/learner.py
-- ``rollout`` (with ``rollout.tools``), ``data``, ``reward``, ``advantages``:
-  config/rollout.py
+- ``rollout`` (with ``rollout.sampling``, ``.engines``, ``.client``, ``.sync``,
+  ``.tools``), ``data``, ``advantages``: config/rollout.py
+- ``reward`` (with ``reward.format``, ``reward.remote``): config/reward.py
 - ``eval``: config/eval.py
 - ``metrics`` and the run as a whole: here.
+
+A key that moved keeps working under its old name (``loader.MOVED_KEYS``): it loads into
+its new place with a ``MovedKeyWarning`` naming the new one.
 """
 
 from __future__ import annotations
@@ -30,40 +34,66 @@ from megatron_grpo.config.learner import (
     TrainConfig,
     check_mode,
 )
-from megatron_grpo.config.loader import apply_override, dump_config, from_dict, read_yaml, to_dict
+from megatron_grpo.config.loader import (
+    MOVED_KEYS,
+    MovedKeyWarning,
+    apply_override,
+    dump_config,
+    from_dict,
+    move_keys,
+    read_yaml,
+    to_dict,
+)
 from megatron_grpo.config.model import ModelConfig, ParallelDims, check_moe_layout
+from megatron_grpo.config.reward import (
+    FormatRewardConfig,
+    RemoteRewardConfig,
+    RewardConfig,
+    RewardType,
+)
 from megatron_grpo.config.rollout import (
     AdvantageConfig,
     DataConfig,
-    RewardConfig,
-    RewardType,
+    EngineClientConfig,
+    EnginesConfig,
     RolloutConfig,
+    SamplingConfig,
     ToolsConfig,
+    WeightSyncConfig,
 )
 
 __all__ = [
     "MODES",
+    "MOVED_KEYS",
     "AdvantageConfig",
     "Config",
     "DataConfig",
+    "EngineClientConfig",
+    "EnginesConfig",
     "EvalConfig",
     "EvalDatasetConfig",
+    "FormatRewardConfig",
     "LossConfig",
     "MetricsConfig",
     "Mode",
     "ModelConfig",
+    "MovedKeyWarning",
     "OptimConfig",
     "ParallelDims",
+    "RemoteRewardConfig",
     "RewardConfig",
     "RewardType",
     "RolloutConfig",
+    "SamplingConfig",
     "ToolsConfig",
     "TrainConfig",
+    "WeightSyncConfig",
     "apply_override",
     "check_mode",
     "dump_config",
     "from_dict",
     "load_config",
+    "move_keys",
     "to_dict",
 ]
 
@@ -165,9 +195,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
     The model's architecture comes from ``train.init`` when that is a Hugging
     Face directory or a converted megatron checkpoint; model fields given as
-    well must agree with it (``init_model.fill_model_section``).
+    well must agree with it (``init_model.fill_model_section``). A moved key,
+    in the file or an override, loads into its new place with a warning; an
+    override by the old name sets the new key, as one by the new name would.
     """
     raw: dict[str, Any] = read_yaml(path) if path is not None else {}
+    move_keys(raw)
     for item in overrides or []:
         apply_override(raw, item)
     fill_model_section(raw)

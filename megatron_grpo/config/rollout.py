@@ -1,9 +1,9 @@
-"""The rollout side's sections: engines and sampling, prompt data, rewards, advantages."""
+"""The rollout side's sections: sampling, engines, weight sync, tools; prompt data; advantages
+(the reward's section is config/reward.py)."""
 
 from __future__ import annotations
 
 import ipaddress
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -77,18 +77,41 @@ class ToolsConfig:
 
 
 @dataclass(kw_only=True)
-class RolloutConfig:
-    """Where generations come from and how they are sampled."""
+class SamplingConfig:
+    """How each completion is sampled (sent with every generation request)."""
 
-    engine: Literal["embedded", "sglang"] = "embedded"
-    """The embedded CPU server, or SGLang servers (started or at ``urls``)."""
+    temperature: float = 1.0
+    """Softmax temperature; 0 is greedy."""
+    top_p: float = 1.0
+    """Sample from the most likely tokens whose probabilities sum to top_p; 1: all."""
+    top_k: int = -1
+    """Sample from the k most likely tokens; -1: all."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Extra stop tokens besides the tokenizer's end of sequence."""
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"rollout.sampling.temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"rollout.sampling.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"rollout.sampling.top_k must be -1 (off) or >= 1, got {self.top_k}")
+
+
+@dataclass(kw_only=True)
+class EnginesConfig:
+    """Which engines generate, and where they are: started by the trainer or attached to."""
+
+    type: Literal["embedded", "sglang"] = "embedded"
+    """The embedded CPU server, or SGLang servers (started from ``launch_command`` or
+    attached at ``urls``)."""
     embedded_server: Literal["auto", "thread", "process"] = "auto"
-    """engine=embedded: serve from a thread of the main rank, or from ``num_servers``
+    """type=embedded: serve from a thread of the main rank, or from ``num_servers``
     processes of their own (``python -m megatron_grpo.rollout.embedded``, started and
     watched like launched SGLang servers), so that generation runs beside training; auto is
-    process when max_staleness >= 1, else thread."""
+    process when rollout.max_staleness >= 1, else thread."""
     urls: list[str] = field(default_factory=list)
-    """SGLang servers (or one sglang-router) to attach to when engine=sglang."""
+    """SGLang servers (or one sglang-router) to attach to when type=sglang."""
     launch_command: str | None = None
     """Start the SGLang servers from this command template instead of attaching to ``urls``,
     e.g. ``python -m sglang.launch_server --model-path /ckpt --host {host} --port {port}``;
@@ -96,13 +119,15 @@ class RolloutConfig:
     when it is a HF directory, else the tokenizer's). Whatever the servers load, the trainer
     sends them the policy's weights before the first rollout."""
     num_servers: int = 1
-    """How many servers ``launch_command`` starts, each on a free port."""
-    server_host: str = "127.0.0.1"
-    """Address the launched servers listen on (``{host}``)."""
-    server_startup_timeout_s: float = 600.0
-    """Limit for the launched servers to generate (``/health_generate``) and join the router."""
-    server_log_dir: str | None = None
-    """Where each launched server's log goes; None makes a temporary directory."""
+    """How many servers ``launch_command`` starts, each on a free port (and how many
+    embedded server processes)."""
+    host: str = "127.0.0.1"
+    """Address the servers the trainer starts listen on (``{host}``)."""
+    startup_timeout_s: float = 600.0
+    """Limit for the started servers to generate (``/health_generate``) and join the
+    router; also how long attaching to ``urls`` waits for each server's ``/health``."""
+    log_dir: str | None = None
+    """Where each started server's log goes; None makes a temporary directory."""
     router_url: str | None = None
     """sglang-router to register the servers with and to generate through; weight
     updates still go to each server."""
@@ -113,21 +138,30 @@ class RolloutConfig:
     started with ``--api-key-env`` of this name, and servers started from
     ``launch_command`` get ``--api-key <key>`` appended. Only the name is in the config (and
     the run's saved config.yaml), never the key. Needed when embedded server processes
-    listen beyond loopback (``server_host``)."""
-    prompts_per_step: int = 8
-    """Prompt groups per RL step."""
-    samples_per_prompt: int = 4
-    """Completions per prompt (the GRPO group size)."""
-    max_new_tokens: int = 64
-    """Generation budget per completion (also Dr. GRPO's default L)."""
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    stop_token_ids: list[int] = field(default_factory=list)
-    """Extra stop tokens besides the tokenizer's end of sequence."""
-    mask_truncated: bool = False
-    """Give completions cut by max_new_tokens no loss tokens (overlong filtering)."""
+    listen beyond loopback (``host``)."""
+
+    def __post_init__(self) -> None:
+        if self.num_servers < 1:
+            raise ValueError(f"rollout.engines.num_servers must be >= 1, got {self.num_servers}")
+        if self.startup_timeout_s <= 0:
+            raise ValueError(
+                f"rollout.engines.startup_timeout_s must be > 0, got {self.startup_timeout_s}"
+            )
+        if self.embedded_server != "auto" and self.type != "embedded":
+            raise ValueError("rollout.engines.embedded_server is for rollout.engines.type=embedded")
+        if self.api_key_env is not None and not self.api_key_env.isidentifier():
+            raise ValueError(
+                "rollout.engines.api_key_env must name an environment variable (the key "
+                f"itself goes in that variable, not in the config), got {self.api_key_env!r}"
+            )
+
+
+@dataclass(kw_only=True)
+class EngineClientConfig:
+    """How the trainer talks to the engines: requests in flight and how long each may take."""
+
     max_concurrency: int = 64
+    """Generation requests in flight at once, over all engines."""
     request_timeout_s: float = 600.0
     """Limit for one generation; one that runs longer is aborted on its server."""
     connect_timeout_s: float = 10.0
@@ -136,22 +170,66 @@ class RolloutConfig:
     """Limit for health, pause, abort and info calls."""
     weight_update_timeout_s: float = 600.0
     """Limit for one weight-update call."""
-    sync_method: Literal["tensor", "disk", "distributed"] = "tensor"
-    """How weights reach the servers after each step, from every pipeline stage's sender:
-    ``tensor`` (an SGLang server: shared memory, so senders on its machine) and ``disk``
-    (``sync_disk_dir`` visible to senders and servers) or ``distributed`` (a gloo/nccl
-    broadcast group per stage), which needs neither."""
-    sync_master_address: str = "127.0.0.1"
-    """The main rank's host as the servers reach it (sync_method=distributed); senders on
+
+    def __post_init__(self) -> None:
+        if self.max_concurrency < 1:
+            raise ValueError(
+                f"rollout.client.max_concurrency must be >= 1, got {self.max_concurrency}"
+            )
+        timeouts = (
+            "request_timeout_s",
+            "connect_timeout_s",
+            "control_timeout_s",
+            "weight_update_timeout_s",
+        )
+        for name in timeouts:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"rollout.client.{name} must be > 0, got {getattr(self, name)}")
+
+
+@dataclass(kw_only=True)
+class WeightSyncConfig:
+    """How the policy's weights reach the engines after each step."""
+
+    method: Literal["tensor", "disk", "distributed"] = "tensor"
+    """From every pipeline stage's sender: ``tensor`` (an SGLang server: shared memory, so
+    senders on its machine) and ``disk`` (``disk_dir`` visible to senders and servers) or
+    ``distributed`` (a gloo/nccl broadcast group per stage), which needs neither."""
+    master_address: str = "127.0.0.1"
+    """The main rank's host as the servers reach it (method=distributed); senders on
     other hosts use their host's address."""
-    sync_bucket_mb: int = 512
+    bucket_mb: int = 512
     """Largest bucket a stage sends at once (a request, a file or a broadcast)."""
-    sync_disk_dir: str | None = None
-    """sync_method=disk: where each push's directory is made (default: the system's
-    temporary directory); each push's directory is removed once the engines loaded it."""
-    check_weight_sync: bool = False
+    disk_dir: str | None = None
+    """method=disk: where each push's directory is made (default: the system's temporary
+    directory); each push's directory is removed once the engines loaded it."""
+    check: bool = False
     """After each push, read the first rows of every weight back from every engine
     (``/get_weights_by_name``) and stop, naming them, if any differs from the learner's."""
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    """Where generations come from and how they are sampled.
+
+    The batch's shape (``prompts_per_step``, ``samples_per_prompt``, ``max_new_tokens``) is
+    here, as verl's ``arr.rollout.n`` and ``response_length`` and slime's
+    ``--rollout-batch-size``, ``--n-samples-per-prompt`` and ``--rollout-max-response-len``
+    are rollout options; the sections below it hold the per-request sampling, the engines,
+    the client that talks to them, and the weight sync."""
+
+    prompts_per_step: int = 8
+    """Prompt groups per RL step."""
+    samples_per_prompt: int = 4
+    """Completions per prompt (the GRPO group size)."""
+    max_new_tokens: int = 64
+    """Generation budget per completion (also Dr. GRPO's default L)."""
+    mask_truncated: bool = False
+    """Give completions cut by max_new_tokens no loss tokens (overlong filtering)."""
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    engines: EnginesConfig = field(default_factory=EnginesConfig)
+    client: EngineClientConfig = field(default_factory=EngineClientConfig)
+    sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     max_staleness: int = 0
     """0: each step generates its rollout, then trains on it (synchronous). k >= 1: the
     rollouts of the next steps are generated while the learner trains (asynchronous), each
@@ -176,36 +254,18 @@ class RolloutConfig:
     @property
     def embedded_process(self) -> bool:
         """The embedded engine serves from processes of its own."""
-        if self.engine != "embedded":
+        if self.engines.type != "embedded":
             return False
-        if self.embedded_server == "auto":
+        if self.engines.embedded_server == "auto":
             return self.max_staleness > 0
-        return self.embedded_server == "process"
+        return self.engines.embedded_server == "process"
 
     def __post_init__(self) -> None:
-        for name in ("prompts_per_step", "samples_per_prompt", "max_new_tokens", "max_concurrency"):
+        for name in ("prompts_per_step", "samples_per_prompt", "max_new_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"rollout.{name} must be >= 1, got {getattr(self, name)}")
         if self.max_staleness < 0:
             raise ValueError(f"rollout.max_staleness must be >= 0, got {self.max_staleness}")
-        if self.num_servers < 1:
-            raise ValueError(f"rollout.num_servers must be >= 1, got {self.num_servers}")
-        if self.temperature < 0:
-            raise ValueError(f"rollout.temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k == 0 or self.top_k < -1:
-            raise ValueError(f"rollout.top_k must be -1 (off) or >= 1, got {self.top_k}")
-        timeouts = (
-            "request_timeout_s",
-            "connect_timeout_s",
-            "control_timeout_s",
-            "weight_update_timeout_s",
-            "server_startup_timeout_s",
-        )
-        for name in timeouts:
-            if getattr(self, name) <= 0:
-                raise ValueError(f"rollout.{name} must be > 0, got {getattr(self, name)}")
         if self.hook is not None and self.max_staleness:
             raise ValueError(
                 "rollout.hook with rollout.max_staleness >= 1 is not supported: a hook's "
@@ -220,18 +280,12 @@ class RolloutConfig:
             raise ValueError(
                 f"rollout.producer_cpus must be CPU numbers >= 0, got {self.producer_cpus}"
             )
-        if self.embedded_server != "auto" and self.engine != "embedded":
-            raise ValueError("rollout.embedded_server is for rollout.engine=embedded")
-        if self.api_key_env is not None and not self.api_key_env.isidentifier():
+        engines = self.engines
+        if self.embedded_process and engines.api_key_env is None and not is_loopback(engines.host):
             raise ValueError(
-                "rollout.api_key_env must name an environment variable (the key itself goes "
-                f"in that variable, not in the config), got {self.api_key_env!r}"
-            )
-        if self.embedded_process and self.api_key_env is None and not is_loopback(self.server_host):
-            raise ValueError(
-                f"rollout.server_host={self.server_host!r} is beyond loopback: the embedded "
-                "servers there need an API key (their --api-key); set rollout.api_key_env to "
-                "the name of an environment variable holding it"
+                f"rollout.engines.host={engines.host!r} is beyond loopback: the embedded "
+                "servers there need an API key (their --api-key); set "
+                "rollout.engines.api_key_env to the name of an environment variable holding it"
             )
         if self.hook is not None and self.hook != "tools":
             module, sep, name = self.hook.partition(":")
@@ -239,11 +293,16 @@ class RolloutConfig:
                 raise ValueError(
                     f"rollout.hook must be 'tools' or 'package.module:function', got {self.hook!r}"
                 )
-        if self.engine == "sglang" and self.replay_dir is None:
-            if not self.urls and not self.launch_command:
-                raise ValueError("rollout.engine=sglang needs rollout.urls or launch_command")
-            if self.urls and self.launch_command:
-                raise ValueError("set rollout.urls (attach) or rollout.launch_command, not both")
+        if engines.type == "sglang" and self.replay_dir is None:
+            if not engines.urls and not engines.launch_command:
+                raise ValueError(
+                    "rollout.engines.type=sglang needs rollout.engines.urls or "
+                    "rollout.engines.launch_command"
+                )
+            if engines.urls and engines.launch_command:
+                raise ValueError(
+                    "set rollout.engines.urls (attach) or rollout.engines.launch_command, not both"
+                )
 
 
 def is_loopback(host: str) -> bool:
@@ -310,133 +369,6 @@ class DataConfig:
     @property
     def paths(self) -> list[str]:
         return [self.path] if isinstance(self.path, str) else list(self.path)
-
-
-RewardType = Literal["math", "exact_match", "format", "remote", "custom"]
-
-
-@dataclass(kw_only=True)
-class RewardConfig:
-    """The reward of a response: one main function, plus an optional weighted format term."""
-
-    type: RewardType = "math"
-    """Main reward function (each reads only its own parameters below)."""
-    case_sensitive: bool = True
-    """exact_match: compare case-sensitively."""
-    format_pattern: str | None = None
-    """Regex for the format reward (type=format, or format_weight != 0); compiled with DOTALL."""
-    format_mode: Literal["fullmatch", "search"] = "fullmatch"
-    """The whole response must match the pattern, or only some part of it."""
-    format_match_score: float = 1.0
-    """Format reward of a response that matches."""
-    format_miss_score: float = 0.0
-    """Format reward of a response that does not match."""
-    format_weight: float = 0.0
-    """Add format_weight * format reward to the main reward; 0 disables the term."""
-    remote_url: str | None = None
-    """remote: http(s) URL that is POSTed {"response", "label", "metadata"}."""
-    remote_field: str = "reward"
-    """remote: key of the reward (a number) in the JSON answer."""
-    remote_timeout: float = 30.0
-    """remote: seconds to wait for one answer."""
-    remote_retries: int = 2
-    """remote: extra attempts after a connection error, timeout or 5xx answer."""
-    remote_retry_backoff: float = 0.5
-    """remote: seconds before the first retry, doubled for each later one."""
-    remote_batch_size: int | None = None
-    """remote: POST {"batch": [...]} with up to this many samples and read a list of
-    rewards from remote_field; None sends one request per sample."""
-    custom_function: str | None = None
-    """custom: ``package.module:function``, called as custom_style says; an ``async def``
-    one is awaited for many samples (or batches) at once (max_concurrency)."""
-    custom_pickle: str | None = None
-    """custom: instead of custom_function, a file holding the function pickled; what
-    ``megatron_grpo.train(reward_fn=...)`` writes (``<output_dir>/reward_fn.pkl``) for a
-    function object that other processes cannot import by name. Unpickling runs code: give
-    only a file you trust."""
-    custom_style: Literal["auto", "native", "trl", "verl"] = "auto"
-    """custom: how the function is called. native: ``fn(response, label, metadata) ->
-    float`` per sample; trl: TRL's ``fn(prompts, completions, **kwargs) -> list[float]``
-    once per batch, the item's columns as keyword arguments; verl: verl's
-    ``compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float |
-    dict`` per sample. auto: by the names of its parameters (native when it has none of
-    TRL's or verl's). docs/python_api.md has the arguments of each."""
-    label_name: str | None = None
-    """custom_style=trl: the keyword argument that carries the item's label; None: the
-    label's column, data.label_key."""
-    on_error: Literal["fail", "zero"] = "fail"
-    """When a reward function raises, runs past timeout_s or returns a non-finite value:
-    stop the run, or score 0."""
-    math_timeout_s: int = 5
-    """math: math-verify's own limit, in whole seconds, on parsing an answer and on each
-    comparison; an answer past it counts as wrong (not as an error)."""
-    num_workers: int = 0
-    """Score with a synchronous reward function (math, exact_match, format, custom) in this
-    many worker processes instead of one sample after another in the trainer; a worker
-    still busy after timeout_s is killed. The function must be importable by its worker."""
-    timeout_s: float = 60.0
-    """Limit for one sample's reward in a worker process (num_workers > 0) or of an async
-    custom function; past it the sample is a reward error (see on_error)."""
-    max_concurrency: int = 64
-    """An async custom function (``async def``) is awaited for up to this many samples at
-    once; so is the remote reward when it sends one request per sample."""
-    cache_size: int = 65536
-    """A deterministic reward (math, exact_match, format, or a custom function with the
-    attribute ``deterministic = True``) is called once per distinct (response, label,
-    metadata); its values are kept for this many distinct ones, across batches (the
-    least recently used go first). 0: call it for every sample."""
-
-    def __post_init__(self) -> None:
-        if self.type == "format" or self.format_weight != 0:
-            if not self.format_pattern:
-                raise ValueError("reward.format_pattern is needed by the format reward")
-        if self.format_pattern is not None:
-            try:
-                re.compile(self.format_pattern)
-            except re.error as e:
-                raise ValueError(f"reward.format_pattern is not a valid regex: {e}") from None
-        if self.type == "format" and self.format_weight != 0:
-            raise ValueError("reward.format_weight adds a format term to another reward type")
-        if self.type == "remote":
-            if not self.remote_url or not self.remote_url.startswith(("http://", "https://")):
-                raise ValueError(
-                    "reward.type=remote needs an http(s) reward.remote_url, "
-                    f"got {self.remote_url!r}"
-                )
-            if not self.remote_field:
-                raise ValueError("reward.remote_field must not be empty")
-        if self.remote_timeout <= 0:
-            raise ValueError(f"reward.remote_timeout must be > 0, got {self.remote_timeout}")
-        if self.remote_retries < 0 or self.remote_retry_backoff < 0:
-            raise ValueError(
-                "reward.remote_retries and reward.remote_retry_backoff must be >= 0, "
-                f"got {self.remote_retries}, {self.remote_retry_backoff}"
-            )
-        if self.remote_batch_size is not None and self.remote_batch_size < 1:
-            raise ValueError(f"reward.remote_batch_size must be >= 1, got {self.remote_batch_size}")
-        if self.math_timeout_s < 1:
-            raise ValueError(f"reward.math_timeout_s must be >= 1, got {self.math_timeout_s}")
-        if self.num_workers < 0:
-            raise ValueError(f"reward.num_workers must be >= 0, got {self.num_workers}")
-        if self.cache_size < 0:
-            raise ValueError(f"reward.cache_size must be >= 0, got {self.cache_size}")
-        if self.timeout_s <= 0 or self.max_concurrency < 1:
-            raise ValueError(
-                "reward.timeout_s must be > 0 and reward.max_concurrency >= 1, "
-                f"got {self.timeout_s}, {self.max_concurrency}"
-            )
-        if self.label_name == "":
-            raise ValueError("reward.label_name must not be empty")
-        if self.type == "custom" and self.custom_pickle is not None:
-            if self.custom_function is not None:
-                raise ValueError("give reward.custom_function or reward.custom_pickle, not both")
-        elif self.type == "custom":
-            module, sep, name = (self.custom_function or "").partition(":")
-            if not (module and sep and name):
-                raise ValueError(
-                    "reward.type=custom needs reward.custom_function='package.module:function' "
-                    f"(or reward.custom_pickle), got {self.custom_function!r}"
-                )
 
 
 @dataclass(kw_only=True)

@@ -58,8 +58,9 @@ class Evaluator:
         self.sampling = dataclasses.replace(
             cfg.rollout,
             samples_per_prompt=self.cfg.samples_per_prompt,
-            temperature=self.cfg.temperature,
-            top_p=self.cfg.top_p,
+            sampling=dataclasses.replace(
+                cfg.rollout.sampling, temperature=self.cfg.temperature, top_p=self.cfg.top_p
+            ),
             max_new_tokens=self.cfg.max_new_tokens or cfg.rollout.max_new_tokens,
         )
         self.sets = []

@@ -80,12 +80,10 @@ class ScoreResult:
 
 
 def format_reward(config: RewardConfig) -> FormatReward:
-    assert config.format_pattern is not None  # RewardConfig checks this
+    fmt = config.format
+    assert fmt.pattern is not None  # RewardConfig checks this
     return FormatReward(
-        config.format_pattern,
-        mode=config.format_mode,
-        match_score=config.format_match_score,
-        miss_score=config.format_miss_score,
+        fmt.pattern, mode=fmt.mode, match_score=fmt.match_score, miss_score=fmt.miss_score
     )
 
 
@@ -101,13 +99,14 @@ def build_reward_function(config: RewardConfig, *, label_key: str = "label") -> 
     if config.type == "format":
         return format_reward(config)
     if config.type == "remote":
-        assert config.remote_url is not None  # RewardConfig checks this
+        remote = config.remote
+        assert remote.url is not None  # RewardConfig checks this
         return RemoteReward(
-            config.remote_url,
-            field=config.remote_field,
-            timeout=config.remote_timeout,
-            retries=config.remote_retries,
-            backoff=config.remote_retry_backoff,
+            remote.url,
+            field=remote.field,
+            timeout=remote.timeout_s,
+            retries=remote.retries,
+            backoff=remote.retry_backoff_s,
         )
     assert config.type == "custom"
     if config.custom_pickle is not None:
@@ -126,7 +125,7 @@ def reward_name(config: RewardConfig) -> str:
             spec = f"function object {spec[len(IN_PROCESS) :]}"
         return f"custom {spec}"
     if config.type == "remote":
-        return f"remote {config.remote_url}"
+        return f"remote {config.remote.url}"
     return config.type
 
 
@@ -177,7 +176,7 @@ class RewardScorer:
         self.name = reward_name(config)
         if isinstance(self.reward_fn, TrlReward | VerlReward):
             self.name += f" ({self.reward_fn.style}-style)"
-        self.format_fn = format_reward(config) if config.format_weight != 0 else None
+        self.format_fn = format_reward(config) if config.format.weight != 0 else None
         remote = isinstance(self.reward_fn, RemoteReward)
         self.runner = RewardRunner(
             self.reward_fn.score_async
@@ -208,7 +207,7 @@ class RewardScorer:
         """The main function's value for each sample, or the exception it raised; with
         ``on_error="fail"``, a ``RewardCancelled`` for each sample left after a failure."""
         stop_if = _failed if self.config.on_error == "fail" else None
-        batch_size = self.config.remote_batch_size
+        batch_size = self.config.remote.batch_size
         if isinstance(self.reward_fn, RemoteReward) and batch_size:
             values: list[object] = []
             for start in range(0, len(responses), batch_size):
@@ -233,7 +232,7 @@ class RewardScorer:
             raise value
         reward = as_reward(value)
         if self.format_fn is not None:
-            reward += self.config.format_weight * self.format_fn(response)
+            reward += self.config.format.weight * self.format_fn(response)
         return reward
 
     def score(

@@ -65,14 +65,14 @@ class ClientConfig:
 
 
 def api_key_from_env(name: str | None) -> str | None:
-    """The API key held by environment variable ``name`` (``rollout.api_key_env``); None
+    """The API key held by environment variable ``name`` (``rollout.engines.api_key_env``); None
     when ``name`` is None. A variable that is unset or empty is a ValueError."""
     if name is None:
         return None
     key = os.environ.get(name)
     if not key:
         raise ValueError(
-            f"rollout.api_key_env names the environment variable {name}, which is not set "
+            f"rollout.engines.api_key_env names the environment variable {name}, which is not set "
             "(or empty) in this process: export the rollout servers' API key in it"
         )
     return key

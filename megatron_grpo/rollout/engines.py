@@ -1,6 +1,6 @@
 """The SGLang-API engines of a rollout config, as a ``ServerGroup``: servers started from
 ``launch_command``, servers attached to at ``urls``, or embedded servers in processes of
-their own (``rollout.embedded_server: process``)."""
+their own (``rollout.engines.embedded_server: process``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import shutil
 import sys
 import tempfile
 
-from megatron_grpo.config import ModelConfig, RolloutConfig
+from megatron_grpo.config import EnginesConfig, ModelConfig, RolloutConfig
 from megatron_grpo.rollout.client_config import api_key_from_env
 from megatron_grpo.rollout.servers import (
     LaunchConfig,
@@ -18,21 +18,19 @@ from megatron_grpo.rollout.servers import (
 )
 
 
-def start_or_attach(cfg: RolloutConfig, model_path: str | None) -> ServerGroup:
+def start_or_attach(cfg: EnginesConfig, model_path: str | None) -> ServerGroup:
     """The SGLang servers of ``cfg``: started from ``launch_command``, or attached at ``urls``."""
     if cfg.launch_command is None:
-        return attach_servers(
-            cfg.urls, router_url=cfg.router_url, timeout_s=cfg.server_startup_timeout_s
-        )
-    log_dir = cfg.server_log_dir or tempfile.mkdtemp(prefix="mgrpo_sglang_logs_")
+        return attach_servers(cfg.urls, router_url=cfg.router_url, timeout_s=cfg.startup_timeout_s)
+    log_dir = cfg.log_dir or tempfile.mkdtemp(prefix="mgrpo_sglang_logs_")
     return launch_servers(
         LaunchConfig(
             command=cfg.launch_command,
             num_servers=cfg.num_servers,
-            host=cfg.server_host,
+            host=cfg.host,
             model=model_path,
             log_dir=log_dir,
-            startup_timeout_s=cfg.server_startup_timeout_s,
+            startup_timeout_s=cfg.startup_timeout_s,
             router_url=cfg.router_url,
             api_key=api_key_from_env(cfg.api_key_env),
         )
@@ -42,7 +40,7 @@ def start_or_attach(cfg: RolloutConfig, model_path: str | None) -> ServerGroup:
 def launch_embedded(
     cfg: RolloutConfig, model_cfg: ModelConfig, *, seed: int
 ) -> tuple[ServerGroup, str]:
-    """``cfg.num_servers`` embedded servers in processes of their own, started as launched
+    """``cfg.engines.num_servers`` embedded servers in processes of their own, started as launched
     SGLang servers are, from the policy's config with random weights (the first push
     gives them the policy's); and the directory of that config."""
     from megatron_grpo.convert.hf_config import hf_config_from_model_config
@@ -55,19 +53,20 @@ def launch_embedded(
         f"--host {{host}} --port {{port}} --load-format dummy --seed {seed} "
         f"--max-batch-size {batch}"
     )
-    if cfg.api_key_env is not None:
-        api_key_from_env(cfg.api_key_env)  # set here, so that the servers inherit it
+    engines = cfg.engines
+    if engines.api_key_env is not None:
+        api_key_from_env(engines.api_key_env)  # set here, so that the servers inherit it
         # The variable's name, not the key: a command line is readable by every user.
-        command += f" --api-key-env {cfg.api_key_env}"
+        command += f" --api-key-env {engines.api_key_env}"
     try:
         return launch_servers(
             LaunchConfig(
                 command=command,
-                num_servers=cfg.num_servers,
-                host=cfg.server_host,
+                num_servers=engines.num_servers,
+                host=engines.host,
                 model=model_dir,
-                log_dir=cfg.server_log_dir or tempfile.mkdtemp(prefix="mgrpo_embedded_logs_"),
-                startup_timeout_s=cfg.server_startup_timeout_s,
+                log_dir=engines.log_dir or tempfile.mkdtemp(prefix="mgrpo_embedded_logs_"),
+                startup_timeout_s=engines.startup_timeout_s,
             )
         ), model_dir
     except BaseException:

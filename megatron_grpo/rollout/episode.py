@@ -154,9 +154,9 @@ def sampling_params(
     """The run's sampling settings (a rollout's, or one episode's), its seed included."""
     return SamplingParams(
         max_new_tokens=cfg.max_new_tokens,
-        temperature=cfg.temperature,
-        top_p=cfg.top_p,
-        top_k=cfg.top_k,
+        temperature=cfg.sampling.temperature,
+        top_p=cfg.sampling.top_p,
+        top_k=cfg.sampling.top_k,
         stop_token_ids=tuple(stop_token_ids),
         seed=seed,
     )

@@ -41,7 +41,7 @@ class RolloutParts:
             tokenizer=tokenizer,
             sampler=sampler,
             scorer=RewardScorer(cfg.reward, label_key=cfg.data.label_key),
-            stop=rollout_stage.stop_token_ids(tokenizer, cfg.rollout.stop_token_ids),
+            stop=rollout_stage.stop_token_ids(tokenizer, cfg.rollout.sampling.stop_token_ids),
             hook=load_hook(cfg.rollout, tokenizer),
         )
 

@@ -59,7 +59,7 @@ class ProducerSpec:
     sampler_state: dict
     """The prompt sampler's state before step ``first_step``'s batch."""
     engine_urls: tuple[str, ...]
-    """The engines' own URLs (generation goes through ``cfg.rollout.router_url`` if set)."""
+    """The engines' own URLs (generation goes through ``cfg.rollout.engines.router_url`` if set)."""
     first_step: int
     last_step: int
     weight_version: int

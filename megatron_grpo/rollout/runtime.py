@@ -17,9 +17,9 @@ SGLang engines that stop answering are dropped: before each rollout, those that 
 on with the others (a generation request that fails is retried on the next engine). A
 dropped engine that answers ``/health`` again is taken back at the next push, which
 gives it the current weights. With no engine left during a push, the push waits up to
-``server_startup_timeout_s`` for one to come back; before a rollout, or past that, the run
-stops with an error that says so (an engine that comes back holds old weights, and only a
-push can replace them).
+``rollout.engines.startup_timeout_s`` for one to come back; before a rollout, or past that,
+the run stops with an error that says so (an engine that comes back holds old weights, and
+only a push can replace them).
 """
 
 from __future__ import annotations
@@ -70,10 +70,10 @@ class RolloutRuntime:
         model_cfg: ModelConfig | None = None,
         attach_to: tuple[str, ...] | None = None,
     ):
-        """``model_path`` fills ``{model}`` in ``cfg.launch_command``; ``model_cfg`` (and its
-        ``hf_family``) names the model in the directory a ``disk`` push writes.
+        """``model_path`` fills ``{model}`` in ``cfg.engines.launch_command``; ``model_cfg``
+        (and its ``hf_family``) names the model in the directory a ``disk`` push writes.
 
-        ``attach_to``: the engines (and ``cfg.router_url``) that another process's runtime
+        ``attach_to``: the engines (and ``cfg.engines.router_url``) that another process's runtime
         started and pushes weights to; this one generates with them and starts, registers
         and stops nothing (the rollout producer's process)."""
         from megatron_grpo.mcore import device
@@ -99,7 +99,7 @@ class RolloutRuntime:
 
         def client(urls: tuple[str, ...]) -> SGLangClient:
             config = client_config(cfg, urls)
-            if cfg.router_url is not None and urls == (cfg.router_url,):
+            if cfg.engines.router_url is not None and urls == (cfg.engines.router_url,):
                 config = dataclasses.replace(config, group_requests=False)  # the router's way
 
             async def opened() -> SGLangClient:
@@ -138,7 +138,7 @@ class RolloutRuntime:
 
         cfg = self.cfg
         if attach_to is not None:
-            self.servers = ServerGroup(urls=attach_to, router_url=cfg.router_url)
+            self.servers = ServerGroup(urls=attach_to, router_url=cfg.engines.router_url)
             return self.servers.generate_urls, self.servers.urls
         if cfg.embedded_process:
             if self.model_cfg is None:
@@ -146,7 +146,7 @@ class RolloutRuntime:
             # The model directory stays until close(): an engine that exits starts again.
             self.servers, self._model_dir = engines.launch_embedded(cfg, self.model_cfg, seed=seed)
             return self.servers.urls, self.servers.urls
-        if cfg.engine == "embedded":
+        if cfg.engines.type == "embedded":
             if hf_model is None:
                 raise ValueError("the embedded rollout engine needs the policy as a HF model")
             self.server = start_embedded_server(
@@ -155,10 +155,10 @@ class RolloutRuntime:
                 weight_version=weight_version,
                 seed=seed,
                 max_batch_size=max(cfg.prompts_per_step * cfg.samples_per_prompt, 1),
-                api_key=api_key_from_env(cfg.api_key_env),
+                api_key=api_key_from_env(cfg.engines.api_key_env),
             )
             return (self.server.url,), (self.server.url,)
-        self.servers = engines.start_or_attach(cfg, model_path)
+        self.servers = engines.start_or_attach(cfg.engines, model_path)
         return self.servers.generate_urls, self.servers.urls
 
     def generate_groups(
@@ -228,12 +228,13 @@ class RolloutRuntime:
         client = self.weight_client
         for holder in self.holders:  # before the pause: what it aborts waits for the update
             holder.hold()
+        sync = self.cfg.sync
         disk_dir = None
-        if self.cfg.sync_method == "disk":
-            disk_dir = tempfile.mkdtemp(prefix="mgrpo_weights_", dir=self.cfg.sync_disk_dir)
+        if sync.method == "disk":
+            disk_dir = tempfile.mkdtemp(prefix="mgrpo_weights_", dir=sync.disk_dir)
 
         async def begin(again: bool) -> None:
-            if again and self.cfg.sync_method != "disk":
+            if again and sync.method != "disk":
                 # Some engines may have opened their update session before another failed.
                 with contextlib.suppress(RolloutError):
                     await client.end_weight_update()
@@ -243,19 +244,19 @@ class RolloutRuntime:
             await self.client.hold_generation()
             await client.pause_generation(mode="abort")
             await client.flush_cache()
-            if self.cfg.sync_method != "disk":
+            if sync.method != "disk":
                 await client.begin_weight_update()
 
         self._run_or_drop(begin, "opening a weight update")
         return SyncPlan(
             urls=client.urls,
-            method=self.cfg.sync_method,
+            method=sync.method,
             weight_version=weight_version,
-            bucket_bytes=self.cfg.sync_bucket_mb << 20,
+            bucket_bytes=sync.bucket_mb << 20,
             disk_dir=disk_dir,
             main_host=socket.gethostname(),
-            master_address=self.cfg.sync_master_address,
-            check=self.cfg.check_weight_sync,
+            master_address=sync.master_address,
+            check=sync.check,
         )
 
     def finish_push(self, plan: SyncPlan, reports: list[StageReport]) -> bool:
@@ -307,12 +308,12 @@ class RolloutRuntime:
         return False
 
     def check_push(self, plan: SyncPlan, problems: list[str]) -> None:
-        """``rollout.check_weight_sync``: fail, naming the weights, if an engine differs."""
+        """``rollout.sync.check``: fail, naming the weights, if an engine differs."""
         if problems:
             shown = "\n  ".join(problems[:20])
             more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
             raise RuntimeError(
-                f"rollout.check_weight_sync: after pushing weight version {plan.weight_version} "
+                f"rollout.sync.check: after pushing weight version {plan.weight_version} "
                 f"the engines hold different weights:\n  {shown}{more}"
             )
         logger.info(
@@ -345,7 +346,8 @@ class RolloutRuntime:
         """Stop using the SGLang engines that do not answer ``/health``; the ones dropped.
 
         When none is left: with ``wait`` (a push, which can give a returning engine the
-        weights), wait up to ``server_startup_timeout_s`` for one to answer; else stop."""
+        weights), wait up to ``rollout.engines.startup_timeout_s`` for one to answer; else
+        stop."""
         if self.servers is None:  # the embedded server lives and dies with this process
             return []
         with self._engines:
@@ -377,14 +379,14 @@ class RolloutRuntime:
         return silent
 
     def _wait_for_an_engine(self) -> list[str]:
-        """The engines that answer within ``server_startup_timeout_s``; [] if none does."""
+        """The engines that answer within ``engines.startup_timeout_s``; [] if none does."""
         import time
 
-        deadline = time.monotonic() + self.cfg.server_startup_timeout_s
+        deadline = time.monotonic() + self.cfg.engines.startup_timeout_s
         logger.warning(
             "every rollout engine stopped answering; waiting up to %g s "
-            "(rollout.server_startup_timeout_s) for one to come back",
-            self.cfg.server_startup_timeout_s,
+            "(rollout.engines.startup_timeout_s) for one to come back",
+            self.cfg.engines.startup_timeout_s,
         )
         while time.monotonic() < deadline:
             back = [u for u in self.weight_client.all_urls if self._answers(u)]
@@ -452,12 +454,12 @@ def client_config(cfg: RolloutConfig, urls: tuple[str, ...]) -> ClientConfig:
 
     return ClientConfig(
         urls=urls,
-        api_key=api_key_from_env(cfg.api_key_env),
-        max_concurrency=cfg.max_concurrency,
-        request_timeout_s=cfg.request_timeout_s,
-        connect_timeout_s=cfg.connect_timeout_s,
-        control_timeout_s=cfg.control_timeout_s,
-        weight_update_timeout_s=cfg.weight_update_timeout_s,
+        api_key=api_key_from_env(cfg.engines.api_key_env),
+        max_concurrency=cfg.client.max_concurrency,
+        request_timeout_s=cfg.client.request_timeout_s,
+        connect_timeout_s=cfg.client.connect_timeout_s,
+        control_timeout_s=cfg.client.control_timeout_s,
+        weight_update_timeout_s=cfg.client.weight_update_timeout_s,
     )
 
 

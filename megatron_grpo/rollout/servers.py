@@ -378,7 +378,7 @@ def attach_servers(
             if time.monotonic() > deadline:
                 raise ServerStartError(
                     f"no server answers {url}/health after {timeout_s:g} s "
-                    "(rollout.server_startup_timeout_s); is it started, and is the URL right?"
+                    "(rollout.engines.startup_timeout_s); is it started, and is the URL right?"
                 )
             time.sleep(0.5)
     if router_url:

@@ -41,10 +41,10 @@ from megatron_grpo.rollout.server_kinds import ServerKind, server_kinds
 SyncMethod = Literal["tensor", "disk", "distributed"]
 
 CHECK_ROWS = 4
-"""Leading rows of each weight compared by ``rollout.check_weight_sync``."""
+"""Leading rows of each weight compared by ``rollout.sync.check``."""
 _READ = (
     "SGLang 0.5.23 reads weights back (/get_weights_by_name) for llama-family models "
-    "only; for others turn rollout.check_weight_sync off"
+    "only; for others turn rollout.sync.check off"
 )
 _END = object()
 

@@ -1,9 +1,9 @@
 """Weight sync helpers around the stage senders (``stage_sender``).
 
 - ``open_update_group`` / ``close_update_group``: a weight-broadcast group of one sender
-  (rank 0) and every engine's TP ranks, for ``sync_method=distributed``;
+  (rank 0) and every engine's TP ranks, for ``rollout.sync.method=distributed``;
 - ``write_disk_index``: after every stage has written its safetensors files for
-  ``sync_method=disk``, the ``config.json`` and ``model.safetensors.index.json`` that make
+  ``rollout.sync.method=disk``, the ``config.json`` and ``model.safetensors.index.json`` that make
   the directory a Hugging Face checkpoint the engines load.
 """
 

@@ -287,7 +287,7 @@ class _RolloutSide:
         from megatron_grpo.rollout.runtime import RolloutRuntime
 
         self.parts = RolloutParts.build(cfg, sources.tokenizer_path(cfg), extra.get("sampler"))
-        embedded = cfg.rollout.engine == "embedded" and not cfg.rollout.embedded_process
+        embedded = cfg.rollout.engines.type == "embedded" and not cfg.rollout.embedded_process
         self.runtime = RolloutRuntime(
             cfg.rollout,
             hf_model=hf_model_from_config(cfg.model) if embedded else None,

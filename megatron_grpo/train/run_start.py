@@ -6,10 +6,12 @@ and how long to wait (``RESUMABLE``). Any other difference refuses the resume by
 unless the user asks for it (``train.allow_config_change``). ``config.yaml`` is the
 config the run started with and is never rewritten; a resume whose config differs keeps
 its own beside it, ``config.resume_step_<N>.yaml``, which the next resume compares with.
+A config saved before some of its keys moved is compared under their new names.
 """
 
 from __future__ import annotations
 
+import copy
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +19,7 @@ from typing import Any, Literal
 
 import yaml
 
-from megatron_grpo.config import Config, dump_config, to_dict
+from megatron_grpo.config import Config, dump_config, move_keys, to_dict
 from megatron_grpo.train.state import latest_checkpoint
 
 CONFIG_FILE = "config.yaml"
@@ -109,8 +111,11 @@ def saved_config_path(out: Path) -> Path | None:
 
 
 def config_changes(saved: dict[str, Any], now: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
-    """Dotted keys whose value differs; keys only one side has (an option added or removed
-    by another version of this package) are not compared."""
+    """Dotted keys whose value differs, a moved key of ``saved`` under its new name
+    (``MOVED_KEYS``); keys only one side has (an option added or removed by another version
+    of this package) are not compared."""
+    saved = copy.deepcopy(saved)
+    move_keys(saved, warn=False)  # the saved config is the package's, not the user's
     a, b = _flatten(saved), _flatten(now)
     keys = sorted(a.keys() & b.keys() - {"train.allow_config_change"})
     return {k: (a[k], b[k]) for k in keys if a[k] != b[k]}
@@ -150,7 +155,7 @@ def config_summary(cfg: Config) -> str:
             f"{m.vocab_size}, from {init}; layout TP={p.tp} PP={p.pp} CP={p.cp} EP={p.ep}",
             f"  steps: {t.total_steps} x {r.prompts_per_step} prompts x "
             f"{r.samples_per_prompt} samples; loss {cfg.loss.mode}, lr {cfg.optim.lr:g}; "
-            f"rollout engine {r.engine}",
+            f"rollout engine {r.engines.type}",
             f"  config: {Path(cfg.output_dir) / CONFIG_FILE} (--print-config prints it here)",
         ]
     )

@@ -45,7 +45,7 @@ def tokenizer_path(cfg: Config) -> str:
 
 
 def hf_model_path(cfg: Config) -> str | None:
-    """What ``{model}`` means in rollout.launch_command: the HF directory of train.init, else
-    the tokenizer's (servers launched from it should load weights as ``--load-format dummy``:
-    the trainer pushes the policy's before the first rollout)."""
+    """What ``{model}`` means in rollout.engines.launch_command: the HF directory of
+    train.init, else the tokenizer's (servers launched from it should load weights as
+    ``--load-format dummy``: the trainer pushes the policy's before the first rollout)."""
     return _hf_init(cfg) or cfg.tokenizer

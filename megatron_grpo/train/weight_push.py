@@ -9,7 +9,7 @@ date (``mcore.hf_export.takes_part``):
    the stage's sender (TP rank 0) sends buckets (``rollout.stage_sender``);
 3. the reports go back to the main rank, which closes the push, or drops engines that
    died during it and has every stage push again to the others;
-4. with ``rollout.check_weight_sync``, each sender reads back what it sent.
+4. with ``rollout.sync.check``, each sender reads back what it sent.
 No rank holds more than its own shard, a decoder layer's full tensors and a few buckets.
 """
 

@@ -7,7 +7,7 @@ each sync method its weights are moved (seeded noise, the same on every rank) an
 by the trainer's own ``WeightPush`` with 1 MiB buckets, so every stage sends several. The
 embedded server's weights must then equal the learner's weights exported through the
 full-model gather and the conversion mapping, bitwise, with the pushed weight version and
-``rollout.check_weight_sync`` on.
+``rollout.sync.check`` on.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def _moved(model: list, ctx, cfg, seed: int) -> dict[str, torch.Tensor] | None:
 
 def push_every_method(hf_dir: str, ep: int) -> dict[str, Any] | None:
     from megatron_grpo.commands.convert.hf_to_megatron import resolve_hf_model
-    from megatron_grpo.config import ParallelDims, RolloutConfig
+    from megatron_grpo.config import ParallelDims, RolloutConfig, WeightSyncConfig
     from megatron_grpo.convert.hf_files import HFCheckpoint, MegatronView
     from megatron_grpo.mcore.full_state import load_full_state
     from megatron_grpo.mcore.model import build_model
@@ -54,7 +54,8 @@ def push_every_method(hf_dir: str, ep: int) -> dict[str, Any] | None:
     load_full_state(model, MegatronView(HFCheckpoint(hf_dir), cfg), cfg, ctx)
     results: dict[str, Any] = {}
     for step, method in enumerate(METHODS, start=1):
-        rollout = RolloutConfig(sync_method=method, sync_bucket_mb=1, check_weight_sync=True)  # type: ignore[arg-type]
+        sync = WeightSyncConfig(method=method, bucket_mb=1, check=True)  # type: ignore[arg-type]
+        rollout = RolloutConfig(sync=sync)
         runtime = None
         if ctx.is_main:
             runtime = RolloutRuntime(rollout, hf_model=hf_model_from_config(cfg), model_cfg=cfg)

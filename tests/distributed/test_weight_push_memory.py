@@ -38,7 +38,7 @@ def push_and_measure(hf_dir: str, url: str) -> dict[str, Any]:
 
     from megatron_grpo.commands.convert.hf_to_megatron import resolve_hf_model
     from megatron_grpo.commands.memory_model import weight_push_bytes
-    from megatron_grpo.config import ParallelDims, RolloutConfig
+    from megatron_grpo.config import EnginesConfig, ParallelDims, RolloutConfig, WeightSyncConfig
     from megatron_grpo.convert.hf_files import HFCheckpoint, MegatronView
     from megatron_grpo.mcore.full_state import load_full_state
     from megatron_grpo.mcore.model import build_model
@@ -50,7 +50,9 @@ def push_and_measure(hf_dir: str, url: str) -> dict[str, Any]:
     cfg = resolve_hf_model(hf_dir)
     model = build_model(cfg, ctx, wrap_ddp=False)
     load_full_state(model, MegatronView(HFCheckpoint(hf_dir), cfg), cfg, ctx)
-    rollout = RolloutConfig(engine="sglang", urls=[url], sync_bucket_mb=BUCKET_MB)
+    rollout = RolloutConfig(
+        engines=EnginesConfig(type="sglang", urls=[url]), sync=WeightSyncConfig(bucket_mb=BUCKET_MB)
+    )
     runtime = RolloutRuntime(rollout, model_cfg=cfg) if ctx.is_main else None
     push = WeightPush(cfg, rollout, ctx, main_sender=runtime.sender if runtime else None)
     push(model, "0", runtime)  # clients and groups opened, imports done

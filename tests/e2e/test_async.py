@@ -79,7 +79,9 @@ def engine_pids(trainer: subprocess.Popen) -> list[int]:
 def train_killing_an_engine(out: Path, assets: Path, *overrides: str) -> tuple[list[dict], str]:
     """A run with two embedded server processes, the first killed (kill -9) once step 2 is
     logged: its metrics and its output."""
-    argv = demo_argv(out, assets, *ONE_PROCESS, "rollout.num_servers=2", *overrides, nproc=1)
+    argv = demo_argv(
+        out, assets, *ONE_PROCESS, "rollout.engines.num_servers=2", *overrides, nproc=1
+    )
     trainer = subprocess.Popen(
         argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
@@ -120,7 +122,7 @@ def test_staleness_within_k_a_killed_engine_started_again_and_resume(tmp_path, a
         *common,
         "train.total_steps=6",
         f"rollout.dump_dir={full}/dump",
-        f"rollout.server_log_dir={logs}",
+        f"rollout.engines.log_dir={logs}",
     )
     assert [row["step"] for row in rows] == list(range(1, 7))
     ages = [row["rollout/staleness_max"] for row in rows]

@@ -231,9 +231,9 @@ def test_attached_sglang_servers_get_the_learners_weights_before_the_first_rollo
         rows = train(
             tmp_path,
             assets,
-            "rollout.engine=sglang",
-            f"rollout.urls=[{server.url}]",
-            "rollout.sync_method=disk",
+            "rollout.engines.type=sglang",
+            f"rollout.engines.urls=[{server.url}]",
+            "rollout.sync.method=disk",
             "train.total_steps=1",
         )
     finally:
@@ -253,7 +253,7 @@ def test_overlapped_param_gather_serves_and_saves_the_updated_weights(tmp_path, 
             "parallel.pp=1",
             "optim.use_distributed_optimizer=true",
             f"optim.overlap_param_gather={overlap}",
-            "rollout.check_weight_sync=true",  # each push read back from the engine
+            "rollout.sync.check=true",  # each push read back from the engine
             nproc=2,
         )
         for overlap in ("true", "false")

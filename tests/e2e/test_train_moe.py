@@ -150,7 +150,7 @@ def test_the_cpu_demo_trains_a_tiny_moe_a_set_away(moe_assets, tmp_path):
         "rollout.prompts_per_step=32",
         "rollout.samples_per_prompt=8",
         "train.total_steps=24",
-        "rollout.check_weight_sync=true",
+        "rollout.sync.check=true",
     )
     done = subprocess.run(argv, capture_output=True, text=True, timeout=800, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]

@@ -14,7 +14,7 @@ disk, tensor and distributed weight updates from both pipeline stages of the lea
 (after each, the server's greedy samples equal the new weights' argmax and their
 log-probs the new weights' log-probs, with weight_version = step). Last,
 once that server is stopped, the trainer itself (``megatron-grpo train``,
-2 processes) launches its own server from ``rollout.launch_command``,
+2 processes) launches its own server from ``rollout.engines.launch_command``,
 trains 2 steps with distributed weight sync, and stops it.
 
 Without ``.venv-sglang`` these tests are skipped, unless the ``sglang``
@@ -290,7 +290,7 @@ def test_weight_update_from_both_stages_of_the_learner(learner, method):
 @pytest.mark.timeout(120)
 def test_weight_check_says_sglang_reads_no_qwen_weight_back(learner):
     error = learner["check_error"]
-    assert "rollout.check_weight_sync: after pushing weight version check" in error
+    assert "rollout.sync.check: after pushing weight version check" in error
     assert "model.embed_tokens.weight: the engine did not return it" in error
     assert "llama-family models only" in error
 
@@ -392,10 +392,10 @@ def test_trainer_launches_sglang_and_syncs_by_broadcast(sglang_python, tmp_path)
         "rollout.prompts_per_step": 4,
         "rollout.samples_per_prompt": 4,
         "metrics.tensorboard": "false",
-        "rollout.engine": "sglang",
-        "rollout.launch_command": f"env {env_prefix} {launch}",
-        "rollout.server_log_dir": logs,
-        "rollout.sync_method": "distributed",
+        "rollout.engines.type": "sglang",
+        "rollout.engines.launch_command": f"env {env_prefix} {launch}",
+        "rollout.engines.log_dir": logs,
+        "rollout.sync.method": "distributed",
     }
     args = [sys.executable, "-m", "megatron_grpo.cli", "train", "--nproc", "2"]
     args += ["--config", str(ROOT / "examples/cpu_demo/grpo.yaml")]

@@ -88,7 +88,13 @@ def learner_scenario(
     hf_dir: str, url: str, prompts: list[list[int]], max_new_tokens: int, work_dir: str
 ) -> dict[str, Any] | None:
     from megatron_grpo.commands.convert.hf_to_megatron import resolve_hf_model
-    from megatron_grpo.config import ParallelDims, RolloutConfig
+    from megatron_grpo.config import (
+        EnginesConfig,
+        ParallelDims,
+        RolloutConfig,
+        SamplingConfig,
+        WeightSyncConfig,
+    )
     from megatron_grpo.convert.hf_files import HFCheckpoint, MegatronView
     from megatron_grpo.mcore.full_state import load_full_state
     from megatron_grpo.mcore.model import build_model
@@ -104,15 +110,16 @@ def learner_scenario(
 
     def rollout_cfg(method: str) -> RolloutConfig:
         return RolloutConfig(
-            engine="sglang",
-            urls=[url],
+            engines=EnginesConfig(type="sglang", urls=[url]),
             prompts_per_step=len(prompts),
             samples_per_prompt=1,
             max_new_tokens=max_new_tokens,
-            temperature=0.0,
-            sync_method=method,  # type: ignore[arg-type]
-            sync_bucket_mb=1,  # several buckets even for this tiny model
-            sync_disk_dir=work_dir,
+            sampling=SamplingConfig(temperature=0.0),
+            sync=WeightSyncConfig(
+                method=method,  # type: ignore[arg-type]
+                bucket_mb=1,  # several buckets even for this tiny model
+                disk_dir=work_dir,
+            ),
         )
 
     phases: dict[str, Any] = {}
@@ -133,9 +140,9 @@ def learner_scenario(
         phases[method] = _phase(runtime, model, ctx, cfg, method_cfg, prompts)
         if runtime is not None:
             runtime.close()
-    # SGLang reads no Qwen weight back: rollout.check_weight_sync says so by name.
+    # SGLang reads no Qwen weight back: rollout.sync.check says so by name.
     checked = rollout_cfg("tensor")
-    checked.check_weight_sync = True
+    checked.sync.check = True
     runtime = RolloutRuntime(checked, model_cfg=cfg) if ctx.is_main else None
     push = WeightPush(cfg, checked, ctx, main_sender=runtime.sender if runtime else None)
     try:

@@ -11,7 +11,7 @@ import torch
 def push_weights(runtime, named: Mapping[str, torch.Tensor], *, weight_version: str) -> None:
     """Send HF-named weights to every engine of ``runtime`` through its one sender, as a
     stage's push does (begin, send, finish; again when engines were dropped; checked when
-    ``rollout.check_weight_sync`` is on)."""
+    ``rollout.sync.check`` is on)."""
     while True:
         plan = runtime.begin_push(weight_version)
         report = runtime.sender.send(iter([named]), plan)

@@ -365,7 +365,11 @@ def test_asynchronous_rl_options_and_their_refusals_are_named():
     assert cfg.rollout.embedded_process  # auto: generation beside training
     assert cfg.rollout.producer_cpus == [0]
     assert not load_config(None, []).rollout.embedded_process
-    thread = ["rollout.max_staleness=1", "reward.num_workers=1", "rollout.embedded_server=thread"]
+    thread = [
+        "rollout.max_staleness=1",
+        "reward.num_workers=1",
+        "rollout.engines.embedded_server=thread",
+    ]
     assert not load_config(None, thread).rollout.embedded_process
     cases = {
         "rollout.max_staleness must be >= 0, got -1": ["rollout.max_staleness=-1"],
@@ -376,10 +380,10 @@ def test_asynchronous_rl_options_and_their_refusals_are_named():
             "rollout.max_staleness=1",
             "rollout.producer_cpus=[-1]",
         ],
-        "rollout.embedded_server is for rollout.engine=embedded": [
-            "rollout.engine=sglang",
-            "rollout.urls=[http://127.0.0.1:1]",
-            "rollout.embedded_server=process",
+        "rollout.engines.embedded_server is for rollout.engines.type=embedded": [
+            "rollout.engines.type=sglang",
+            "rollout.engines.urls=[http://127.0.0.1:1]",
+            "rollout.engines.embedded_server=process",
         ],
         "rollout.hook with rollout.max_staleness >= 1 is not supported": [
             "rollout.max_staleness=1",

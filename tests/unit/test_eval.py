@@ -49,7 +49,7 @@ class FakeRuntime:
         self.tokenizer, self.answers, self.requests = tokenizer, answers, []
 
     def generate_groups(self, prompts, cfg, *, seed, stop_token_ids):
-        self.requests.append((len(prompts), cfg.samples_per_prompt, cfg.temperature, seed))
+        self.requests.append((len(prompts), cfg.samples_per_prompt, cfg.sampling.temperature, seed))
         groups = []
         for ids in prompts:
             prompt = self.tokenizer.decode(ids).replace(" ", "")

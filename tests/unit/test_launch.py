@@ -54,7 +54,7 @@ def test_a_failing_rank_stops_the_others_and_shows_its_error():
 
 EMBEDDED_MODEL_DIR = """
 import sys, time
-from megatron_grpo.config import ModelConfig, RolloutConfig
+from megatron_grpo.config import EnginesConfig, ModelConfig, RolloutConfig
 from megatron_grpo.launch import use_private_tempdir
 from megatron_grpo.rollout import engines
 
@@ -66,7 +66,8 @@ engines.launch_servers = servers_started
 use_private_tempdir()  # as megatron-grpo train does before training
 model = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
                     vocab_size=32, add_qkv_bias=True)
-engines.launch_embedded(RolloutConfig(embedded_server="process"), model, seed=0)
+rollout = RolloutConfig(engines=EnginesConfig(embedded_server="process"))
+engines.launch_embedded(rollout, model, seed=0)
 """
 
 

@@ -52,7 +52,11 @@ def run(tmp_path, monkeypatch, capsys):
 @pytest.mark.parametrize(
     "overrides, nproc, message",
     [
-        (["rollout.temperature=-1"], 2, "rollout.temperature must be >= 0, got -1.0"),
+        (
+            ["rollout.sampling.temperature=-1"],
+            2,
+            "rollout.sampling.temperature must be >= 0, got -1.0",
+        ),
         (["optim.lr=nan"], 2, "optim.lr must be a finite number, got 'nan'"),
         (["parallel.tp=2"], 3, "world size 3 is not divisible by TP(2) x PP(1) x CP(1)"),
         (["parallel.tp=8"], 8, "model.num_attention_heads=4 is not divisible by TP=8"),

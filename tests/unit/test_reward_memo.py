@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from megatron_grpo.config import RewardConfig
+from megatron_grpo.config import RemoteRewardConfig, RewardConfig
 from megatron_grpo.rewards import RewardScorer
 from megatron_grpo.rewards.memo import RewardMemo, is_deterministic
 from megatron_grpo.rewards.pool import RewardCancelled
@@ -77,7 +77,7 @@ def test_which_functions_count_as_deterministic():
     assert is_deterministic(Counting())
     assert not is_deterministic(lambda response, label, meta: 1.0)
     assert RewardScorer(RewardConfig(type="math", cache_size=0)).memo is None
-    remote = RewardConfig(type="remote", remote_url="http://127.0.0.1:1/score")
+    remote = RewardConfig(type="remote", remote=RemoteRewardConfig(url="http://127.0.0.1:1/score"))
     assert RewardScorer(remote).memo is None
 
 

@@ -13,6 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import aiohttp
 import pytest
 
+from megatron_grpo.config import FormatRewardConfig, RemoteRewardConfig
 from megatron_grpo.rewards import (
     FormatReward,
     MathReward,
@@ -143,7 +144,8 @@ def test_format_reward():
 
 
 def test_scorer_math_plus_format():
-    config = RewardConfig(type="math", format_pattern=r".*\\boxed\{.*\}.*", format_weight=0.5)
+    fmt = FormatRewardConfig(pattern=r".*\\boxed\{.*\}.*", weight=0.5)
+    config = RewardConfig(type="math", format=fmt)
     scorer = RewardScorer(config)
     result = scorer.score([r"\boxed{2}", r"\boxed{3}", "2", "nothing"], ["2"] * 4, [{}] * 4)
     assert result.rewards == [1.5, 0.5, 1.0, 0.0]
@@ -153,23 +155,23 @@ def test_scorer_math_plus_format():
 def test_scorer_exact_match_and_format_types():
     scorer = RewardScorer(RewardConfig(type="exact_match", case_sensitive=False))
     assert scorer.score(["YES", "no"], ["yes", "yes"], [{}, {}]).rewards == [1.0, 0.0]
-    scorer = RewardScorer(RewardConfig(type="format", format_pattern="[0-9]+"))
+    scorer = RewardScorer(RewardConfig(type="format", format=FormatRewardConfig(pattern="[0-9]+")))
     assert scorer.score(["12", "12a"], [None, None], [{}, {}]).rewards == [1.0, 0.0]
 
 
 def test_config_errors():
-    with pytest.raises(ValueError, match="format_pattern is needed"):
+    with pytest.raises(ValueError, match=r"reward\.format\.pattern is needed"):
         RewardConfig(type="format")
-    with pytest.raises(ValueError, match="format_pattern is needed"):
-        RewardConfig(type="math", format_weight=0.1)
-    with pytest.raises(ValueError, match="not a valid regex"):
-        RewardConfig(type="format", format_pattern="(")
-    with pytest.raises(ValueError, match="remote_url"):
+    with pytest.raises(ValueError, match=r"reward\.format\.pattern is needed"):
+        RewardConfig(type="math", format=FormatRewardConfig(weight=0.1))
+    with pytest.raises(ValueError, match=r"reward\.format\.pattern is not a valid regex"):
+        FormatRewardConfig(pattern="(")
+    with pytest.raises(ValueError, match=r"reward\.remote\.url"):
         RewardConfig(type="remote")
     with pytest.raises(ValueError, match="custom_function"):
         RewardConfig(type="custom", custom_function="no_colon")
-    with pytest.raises(ValueError, match="remote_timeout"):
-        RewardConfig(remote_timeout=0)
+    with pytest.raises(ValueError, match=r"reward\.remote\.timeout_s must be > 0"):
+        RemoteRewardConfig(timeout_s=0)
     with pytest.raises(ValueError, match="lengths|one label"):
         RewardScorer(RewardConfig()).score(["a"], [], [])
 
@@ -328,9 +330,10 @@ def serve():
         server.server_close()
 
 
-def remote_config(url, **kwargs):
-    defaults = dict(remote_field="score", remote_timeout=5.0, remote_retry_backoff=0.01)
-    return RewardConfig(type="remote", remote_url=url, **{**defaults, **kwargs})
+def remote_config(url, on_error="fail", **kwargs):
+    defaults = dict(field="score", timeout_s=5.0, retry_backoff_s=0.01)
+    remote = RemoteRewardConfig(url=url, **{**defaults, **kwargs})
+    return RewardConfig(type="remote", remote=remote, on_error=on_error)
 
 
 def test_remote_reward(serve):
@@ -344,7 +347,7 @@ def test_remote_reward(serve):
 
 def test_remote_reward_batches(serve):
     server = serve()
-    scorer = RewardScorer(remote_config(server.url, remote_batch_size=2))
+    scorer = RewardScorer(remote_config(server.url, batch_size=2))
     result = scorer.score(["a", "bb", "ccc"], ["a", "x", "x"], [{}] * 3)
     assert result.rewards == [101.0, 2.0, 3.0]
     assert [len(r["batch"]) for r in server.requests] == [2, 1]
@@ -352,14 +355,14 @@ def test_remote_reward_batches(serve):
 
 def test_remote_retries_a_server_error(serve):
     server = serve(fail_first=2)
-    scorer = RewardScorer(remote_config(server.url, remote_retries=2))
+    scorer = RewardScorer(remote_config(server.url, retries=2))
     assert scorer.score(["abc"], ["x"], [{}]).rewards == [3.0]
     assert len(server.requests) == 3
 
 
 def test_remote_gives_up_after_the_retries(serve):
     server = serve(fail_first=10)
-    scorer = RewardScorer(remote_config(server.url, remote_retries=1, on_error="zero"))
+    scorer = RewardScorer(remote_config(server.url, retries=1, on_error="zero"))
     result = scorer.score(["abc"], ["x"], [{}])
     assert result.rewards == [0.0] and len(server.requests) == 2
     assert "failed after 2 attempts; last error: HTTP 500" in result.errors[0]
@@ -367,7 +370,7 @@ def test_remote_gives_up_after_the_retries(serve):
 
 def test_remote_batches_stop_at_the_first_failed_request(serve):
     server = serve(fail_first=100, status=400)
-    scorer = RewardScorer(remote_config(server.url, remote_batch_size=2))
+    scorer = RewardScorer(remote_config(server.url, batch_size=2))
     with pytest.raises(RewardError, match=f"reward remote {server.url} failed on sample 0"):
         scorer.score(["a", "b", "c", "d", "e"], [None] * 5, [{}] * 5)
     assert len(server.requests) == 1  # the other two batches were never sent
@@ -375,7 +378,7 @@ def test_remote_batches_stop_at_the_first_failed_request(serve):
 
 def test_remote_client_error_is_not_retried(serve):
     server = serve(fail_first=1, status=400)
-    scorer = RewardScorer(remote_config(server.url, remote_retries=3))
+    scorer = RewardScorer(remote_config(server.url, retries=3))
     with pytest.raises(RewardError, match="RemoteRewardError: .* answered HTTP 400") as info:
         scorer.score(["abc"], ["x"], [{}])
     assert isinstance(info.value.cause, RemoteRewardError)
@@ -384,14 +387,14 @@ def test_remote_client_error_is_not_retried(serve):
 
 def test_remote_missing_field(serve):
     server = serve()
-    scorer = RewardScorer(remote_config(server.url, remote_field="reward", on_error="zero"))
+    scorer = RewardScorer(remote_config(server.url, field="reward", on_error="zero"))
     result = scorer.score(["abc"], ["x"], [{}])
     assert "field 'reward' is not a number: None" in result.errors[0]
 
 
 def test_remote_timeout(serve):
     server = serve(delay=0.5)
-    config = remote_config(server.url, remote_timeout=0.1, remote_retries=0, on_error="zero")
+    config = remote_config(server.url, timeout_s=0.1, retries=0, on_error="zero")
     result = RewardScorer(config).score(["abc"], ["x"], [{}])
     assert result.num_errors == 1 and "timed out" in result.errors[0]
 
@@ -400,11 +403,11 @@ def test_remote_server_down():
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    config = remote_config(f"http://127.0.0.1:{port}/score", remote_retries=1)
+    config = remote_config(f"http://127.0.0.1:{port}/score", retries=1)
     expected = r"sample 0 \(response 'abc'\): RemoteRewardError: .*failed after 2 attempts"
     with pytest.raises(RewardError, match=expected):
         RewardScorer(config).score(["abc"], ["x"], [{}])
-    result = RewardScorer(remote_config(config.remote_url, on_error="zero")).score(
+    result = RewardScorer(remote_config(config.remote.url, on_error="zero")).score(
         ["a", "b"], ["x", "y"], [{}, {}]
     )
     assert result.rewards == [0.0, 0.0] and result.num_errors == 2

@@ -22,7 +22,12 @@ from pathlib import Path
 import pytest
 from engine_push import push_weights
 
-from megatron_grpo.config import RolloutConfig
+from megatron_grpo.config import (
+    EngineClientConfig,
+    EnginesConfig,
+    RolloutConfig,
+    WeightSyncConfig,
+)
 from megatron_grpo.launch import free_port
 from megatron_grpo.rollout.servers import (
     LaunchConfig,
@@ -329,11 +334,13 @@ def test_runtime_launches_from_the_config_and_stops_on_close(tmp_path, fake_rout
 
     fake_router.start()
     cfg = RolloutConfig(
-        engine="sglang",
-        launch_command=f"{FAKE} --host {{host}} --port {{port}} --model {{model}} --children 1",
-        num_servers=2,
-        server_log_dir=str(tmp_path / "logs"),
-        router_url=fake_router.url,
+        engines=EnginesConfig(
+            type="sglang",
+            launch_command=f"{FAKE} --host {{host}} --port {{port}} --model {{model}} --children 1",
+            num_servers=2,
+            log_dir=str(tmp_path / "logs"),
+            router_url=fake_router.url,
+        )
     )
     runtime = RolloutRuntime(cfg, model_path="/some/model")
     servers = runtime.servers
@@ -350,14 +357,14 @@ def test_runtime_launches_from_the_config_and_stops_on_close(tmp_path, fake_rout
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"engine": "sglang"}, "needs rollout.urls or launch_command"),
-        ({"engine": "sglang", "urls": ["http://a:1"], "launch_command": "x {port}"}, "not both"),
-        ({"engine": "sglang", "launch_command": "x {port}", "num_servers": 0}, "num_servers"),
+        ({"type": "sglang"}, "needs rollout.engines.urls or rollout.engines.launch_command"),
+        ({"type": "sglang", "urls": ["http://a:1"], "launch_command": "x {port}"}, "not both"),
+        ({"type": "sglang", "launch_command": "x {port}", "num_servers": 0}, "num_servers"),
     ],
 )
 def test_rollout_config_checks_the_server_fields(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        RolloutConfig(**kwargs)
+        RolloutConfig(engines=EnginesConfig(**kwargs))
 
 
 def engine_that_hangs(tmp_path, *, request_timeout_s: float):
@@ -367,12 +374,14 @@ def engine_that_hangs(tmp_path, *, request_timeout_s: float):
 
     aborts = tmp_path / "aborts.jsonl"
     cfg = RolloutConfig(
-        engine="sglang",
-        launch_command=f"{FAKE} --host {{host}} --port {{port}} --abort-log {aborts}",
-        server_log_dir=str(tmp_path / "logs"),
+        engines=EnginesConfig(
+            type="sglang",
+            launch_command=f"{FAKE} --host {{host}} --port {{port}} --abort-log {aborts}",
+            log_dir=str(tmp_path / "logs"),
+        ),
         prompts_per_step=1,
         samples_per_prompt=2,
-        request_timeout_s=request_timeout_s,
+        client=EngineClientConfig(request_timeout_s=request_timeout_s),
     )
     return RolloutRuntime(cfg, model_path="/some/model"), cfg, aborts
 
@@ -458,14 +467,12 @@ def test_a_dead_engine_is_dropped_and_taken_back_once_it_answers(tmp_path):
     named = dict(model.state_dict())
     engines = [start_embedded_server(model, seed=0) for _ in range(2)]
     cfg = RolloutConfig(
-        engine="sglang",
-        urls=[e.url for e in engines],
-        sync_method="disk",
+        engines=EnginesConfig(type="sglang", urls=[e.url for e in engines], startup_timeout_s=8.0),
+        sync=WeightSyncConfig(method="disk"),
         prompts_per_step=2,
         samples_per_prompt=2,
         max_new_tokens=4,
-        control_timeout_s=5.0,
-        server_startup_timeout_s=8.0,
+        client=EngineClientConfig(control_timeout_s=5.0),
     )
     runtime = RolloutRuntime(cfg, model_cfg=model_cfg)
     prompts = [[1, 2, 3], [4, 5]]
@@ -505,7 +512,7 @@ def test_a_dead_engine_is_dropped_and_taken_back_once_it_answers(tmp_path):
         push("3")
         later.join()
         assert runtime.dropped == [engines[1].url] and engines[0].engine.weight_version == "3"
-        # ... and gives up after server_startup_timeout_s when none does.
+        # ... and gives up after rollout.engines.startup_timeout_s when none does.
         engines[0].stop()
         with pytest.raises(ServerUnavailableError, match="every rollout engine stopped"):
             push("4")

@@ -1,10 +1,11 @@
 """How a run starts in its output directory: fresh, resumed, complete, or refused."""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
-from megatron_grpo.config import Config, dump_config
+from megatron_grpo.config import Config, dump_config, load_config
 from megatron_grpo.config.learner import OptimConfig, TrainConfig
 from megatron_grpo.train.run_start import (
     ConfigChangedError,
@@ -83,3 +84,57 @@ def test_the_next_resume_compares_with_the_last_resume_config(tmp_path):
 def test_keys_only_one_side_has_are_not_compared():
     assert config_changes({"a": {"b": 1, "old": 2}}, {"a": {"b": 1, "new": 3}}) == {}
     assert config_changes({"a": {"b": [1, 2]}}, {"a": {"b": (1, 2)}}) == {}
+
+
+OLD_SAVED = Path(__file__).resolve().parents[1] / "fixtures" / "old_configs" / "saved_run.yaml"
+"""A config.yaml written before the rollout and reward keys were nested."""
+
+
+def saved_with_the_old_keys(out: Path) -> Config:
+    """``out`` as a run with ``OLD_SAVED`` as its config leaves it at step 20; that config
+    in today's keys."""
+    checkpointed(out, 20, Config())
+    text = OLD_SAVED.read_text().replace("output_dir: runs/old_layout", f"output_dir: {out}")
+    (out / "config.yaml").write_text(text)
+    return load_config(None, [f"output_dir={out}", *SAVED_AS_NEW])
+
+
+SAVED_AS_NEW = [
+    "train.total_steps=40",
+    "rollout.engines.type=sglang",
+    "rollout.engines.urls=[http://127.0.0.1:30000]",
+    "rollout.sampling.temperature=0.7",
+    "rollout.sampling.top_k=20",
+    "rollout.sync.method=distributed",
+    "rollout.sync.bucket_mb=256",
+    "rollout.client.request_timeout_s=300",
+    "reward.format.pattern=.*answer.*",
+    "reward.format.weight=0.1",
+    "reward.remote.timeout_s=10",
+    "optim.use_distributed_optimizer=true",
+]
+"""The overrides ``OLD_SAVED`` was made with, by today's names."""
+
+
+def test_a_run_saved_with_the_old_keys_resumes_under_the_new_ones(tmp_path):
+    cfg = saved_with_the_old_keys(tmp_path)
+    start = plan_start(cfg)
+    assert (start.kind, start.step, start.changed) == ("resume", 20, {})
+    record_start(cfg, start)  # nothing changed: no resume config beside it
+    assert not list(tmp_path.glob("config.resume_step_*.yaml"))
+    longer = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, total_steps=60))
+    assert plan_start(longer).changed == {"train.total_steps": (40, 60)}
+
+
+def test_a_change_to_a_moved_key_is_refused_by_its_new_name(tmp_path):
+    cfg = saved_with_the_old_keys(tmp_path)
+    sampling = dataclasses.replace(cfg.rollout.sampling, temperature=0.9)
+    hotter = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, sampling=sampling))
+    with pytest.raises(
+        ConfigChangedError, match=r"rollout\.sampling\.temperature \(0\.7 -> 0\.9\)"
+    ):
+        plan_start(hotter)
+    # a moved time limit may change on resume, as any *_timeout_s may
+    patient = [f"output_dir={tmp_path}", *SAVED_AS_NEW, "rollout.client.request_timeout_s=900"]
+    changed = plan_start(load_config(None, patient)).changed
+    assert changed == {"rollout.client.request_timeout_s": (300.0, 900.0)}

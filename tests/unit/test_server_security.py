@@ -23,7 +23,7 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from megatron_grpo.config import RolloutConfig
+from megatron_grpo.config import EnginesConfig, RolloutConfig
 from megatron_grpo.rollout.client import ClientConfig, SGLangClient
 from megatron_grpo.rollout.embedded import auth
 from megatron_grpo.rollout.embedded.server import start_embedded_server
@@ -301,7 +301,7 @@ def test_the_key_is_compared_whole():
 
 def test_a_server_beyond_loopback_needs_a_key(model):
     for host in ("0.0.0.0", "", "::", "10.1.2.3", "myhost"):
-        with pytest.raises(ValueError, match="--api-key.*rollout.api_key_env"):
+        with pytest.raises(ValueError, match="--api-key.*rollout.engines.api_key_env"):
             start_embedded_server(model, host)
     for host in ("127.0.0.1", "127.0.0.2", "::1", "localhost"):
         auth.check_api_key(None, host)
@@ -323,18 +323,19 @@ def test_the_command_line_server_refuses_to_listen_beyond_loopback_without_a_key
     assert "MGRPO_TEST_NO_SUCH_KEY is not set" in capsys.readouterr().err
 
 
-# ---- the trainer's side: the key from rollout.api_key_env, never in the config ----
+# ---- the trainer's side: the key from rollout.engines.api_key_env, never in the config ----
 
 
 def test_rollout_config_takes_the_name_of_the_key_not_the_key(monkeypatch):
     from megatron_grpo.config.loader import dump_config
     from megatron_grpo.rollout.runtime import client_config
 
-    with pytest.raises(ValueError, match="--api-key.*rollout.api_key_env"):
-        RolloutConfig(embedded_server="process", server_host="0.0.0.0")
-    with pytest.raises(ValueError, match="must name an environment variable"):
-        RolloutConfig(api_key_env="not a name")
-    cfg = RolloutConfig(embedded_server="process", server_host="0.0.0.0", api_key_env="MGRPO_K")
+    beyond_loopback = dict(embedded_server="process", host="0.0.0.0")
+    with pytest.raises(ValueError, match="--api-key.*rollout.engines.api_key_env"):
+        RolloutConfig(engines=EnginesConfig(**beyond_loopback))
+    with pytest.raises(ValueError, match="rollout.engines.api_key_env must name an environment"):
+        EnginesConfig(api_key_env="not a name")
+    cfg = RolloutConfig(engines=EnginesConfig(**beyond_loopback, api_key_env="MGRPO_K"))
     monkeypatch.delenv("MGRPO_K", raising=False)
     with pytest.raises(ValueError, match="MGRPO_K, which is not set"):
         client_config(cfg, ("http://127.0.0.1:1",))
@@ -360,7 +361,7 @@ def test_launched_sglang_servers_get_the_key_and_their_logs_do_not(tmp_path):
 
 
 def test_trainer_launched_embedded_server_process_wants_the_key(tmp_path, monkeypatch):
-    """End to end: rollout.api_key_env -> an embedded server process on 0.0.0.0 that got
+    """End to end: rollout.engines.api_key_env -> an embedded server process on 0.0.0.0 that got
     the variable's name (not the key) on its command line -> the runtime's client."""
     from megatron_grpo.config.hf import model_config_from_hf
     from megatron_grpo.rollout import engines
@@ -369,13 +370,15 @@ def test_trainer_launched_embedded_server_process_wants_the_key(tmp_path, monkey
 
     monkeypatch.setenv("MGRPO_TEST_ROLLOUT_KEY", KEY)
     cfg = RolloutConfig(
-        embedded_server="process",
-        server_host="0.0.0.0",
-        api_key_env="MGRPO_TEST_ROLLOUT_KEY",
+        engines=EnginesConfig(
+            embedded_server="process",
+            host="0.0.0.0",
+            api_key_env="MGRPO_TEST_ROLLOUT_KEY",
+            log_dir=str(tmp_path / "logs"),
+            startup_timeout_s=120.0,
+        ),
         prompts_per_step=1,
         samples_per_prompt=1,
-        server_log_dir=str(tmp_path / "logs"),
-        server_startup_timeout_s=120.0,
     )
     group, model_dir = engines.launch_embedded(
         cfg, model_config_from_hf(tiny_hf_config("qwen2")), seed=0

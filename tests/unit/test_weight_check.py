@@ -1,4 +1,4 @@
-"""``rollout.check_weight_sync``: an engine that loads a push wrongly is named, with the weight."""
+"""``rollout.sync.check``: an engine that loads a push wrongly is named, with the weight."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from engine_push import push_weights
 
-from megatron_grpo.config import RolloutConfig
+from megatron_grpo.config import RolloutConfig, WeightSyncConfig
 from megatron_grpo.config.hf import model_config_from_hf
 from megatron_grpo.rollout.embedded import server as embedded_server
 from megatron_grpo.rollout.embedded.weights import copy_into_model
@@ -36,7 +36,7 @@ def test_a_weight_the_engine_drops_is_named(monkeypatch, method):
         kept = {k: v for k, v in named_tensors.items() if k != "model.norm.weight"}
         copy_into_model(model, kept, require_all=False)
 
-    cfg = RolloutConfig(sync_method=method, check_weight_sync=True)  # type: ignore[arg-type]
+    cfg = RolloutConfig(sync=WeightSyncConfig(method=method, check=True))  # type: ignore[arg-type]
     runtime = RolloutRuntime(cfg, hf_model=served, model_cfg=model_cfg)
     try:
         push_weights(runtime, pushed, weight_version="1")  # a faithful engine passes

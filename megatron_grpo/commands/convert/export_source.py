@@ -21,7 +21,7 @@ from pathlib import Path
 from megatron_grpo.commands.convert.hf_to_megatron import load_model_config
 from megatron_grpo.config import Config, ModelConfig, from_dict
 from megatron_grpo.config.init_model import MODEL_CONFIG_FILE
-from megatron_grpo.config.loader import read_yaml
+from megatron_grpo.config.loader import move_keys, read_yaml
 from megatron_grpo.convert.hf_files import HF_FILES_DIR, check_tokenizer_dir
 from megatron_grpo.train.run_start import saved_config_path
 from megatron_grpo.train.save_hf import run_hf_files
@@ -73,7 +73,9 @@ def _load_run_config(run: Path) -> Config:
     path = saved_config_path(run)
     assert path is not None
     try:
-        return from_dict(Config, read_yaml(path))  # as saved: resolved, nothing to fill in
+        raw = read_yaml(path)
+        move_keys(raw, warn=False)  # saved by a version from before some keys moved
+        return from_dict(Config, raw)  # as saved: resolved, nothing to fill in
     except ValueError as err:
         raise ValueError(f"{path}: {err}") from None
 

@@ -31,8 +31,8 @@ def check_api_key(api_key: str | None, host: str) -> None:
         raise ValueError(
             f"the embedded server would listen on {host!r}, beyond loopback, where anyone "
             "who reaches the port could replace its weights: give it an API key (--api-key "
-            "or --api-key-env; for servers the trainer starts, rollout.api_key_env names the "
-            "environment variable holding it), or listen on 127.0.0.1"
+            "or --api-key-env; for servers the trainer starts, rollout.engines.api_key_env names "
+            "the environment variable holding it), or listen on 127.0.0.1"
         )
 
 
