@@ -226,3 +226,8 @@ def test_the_workers_of_a_launch_do_not_say_it_again(monkeypatch, capsys):
     monkeypatch.setenv("RANK", "1")
     assert moved_warnings(lambda: cli.main(argv)) == (0, [])
 
+
+def test_options_md_lists_every_moved_key():
+    text = (ROOT / "docs" / "options.md").read_text()
+    listed = dict(re.findall(r"^\| `([\w.]+)` \| `([\w.]+)` \|$", text, flags=re.M))
+    assert listed == MOVED_KEYS
