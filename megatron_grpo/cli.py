@@ -358,8 +358,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _say_moved_keys_in_one_line() -> None:
+    """A moved config key is the user's to fix: one line naming it, not Python's warning
+    with the loader's file and source line."""
+    plain = warnings.formatwarning
+
+    def formatted(message, category, filename, lineno, line=None) -> str:
+        if issubclass(category, MovedKeyWarning):
+            return f"megatron-grpo: warning: {message}\n"
+        return plain(message, category, filename, lineno, line)
+
+    warnings.formatwarning = formatted
+
+
 def main(argv: list[str] | None = None) -> int:
     quiet_third_party_warnings()
+    _say_moved_keys_in_one_line()
     args = build_parser().parse_args(argv)
     args.argv = list(argv) if argv is not None else sys.argv[1:]
     try:
