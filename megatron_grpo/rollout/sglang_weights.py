@@ -178,9 +178,9 @@ def open_update_group(
     elif backend == "nccl":
         from torch.distributed.distributed_c10d import ProcessGroupNCCL
 
-        options = ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        pg = ProcessGroupNCCL(prefixed, rank, world_size, options)
+        from megatron_grpo.mcore.device import nccl_options
+
+        pg = ProcessGroupNCCL(prefixed, rank, world_size, nccl_options(timeout))
         device = torch.device("cuda", torch.cuda.current_device())
     else:
         raise ValueError(f"weight-update group backend must be gloo or nccl, got {backend!r}")
