@@ -1,7 +1,8 @@
 """The third-party internals the package patches: declared, present and checked.
 
 - Every declared target of torch and megatron-core exists in the installed releases, with
-  the parameters the patches rely on.
+  the parameters the patches rely on; SGLang's against a real sglang where there is one,
+  and against the stand-in the weight tests join through (``sglang_standin.py``).
 - The start-up check names what moved when a stand-in module renames a patched attribute or
   drops a parameter, warns on an untested release where nothing moved, and stops
   ``compat.install`` before it patches anything.
@@ -9,9 +10,12 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 import types
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +23,14 @@ import megatron_grpo.internals as internals
 from megatron_grpo.internals import Library, MovedInternals, Target, UntestedRelease, check, moved
 from megatron_grpo.mcore import device
 from megatron_grpo.mcore.compat import MEGATRON_CORE
+from megatron_grpo.rollout import sglang_compat
+from megatron_grpo.rollout.sglang_compat import SGLANG
+
+sys.path.insert(0, str(Path(__file__).parent))
+import sglang_standin  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+
 
 # --------------------------------------------------------------------------- declared targets
 
@@ -26,6 +38,43 @@ from megatron_grpo.mcore.compat import MEGATRON_CORE
 @pytest.mark.parametrize("library", [device.TORCH, MEGATRON_CORE], ids=lambda lib: lib.distribution)
 def test_every_declared_target_exists_with_its_parameters(library):
     assert moved(library) == []
+
+
+def test_the_sglang_targets_exist_in_a_real_sglang():
+    sglang_python = ROOT / ".venv-sglang" / "bin" / "python"
+    if sglang_compat._local_sglang() is None:  # (tests/sglang is a namespace package)
+        if not sglang_python.exists():
+            pytest.skip(
+                "sglang is not importable here and .venv-sglang is absent "
+                "(bash scripts/setup_sglang_venv.sh); the SGLang targets are checked against "
+                "the stand-in instead (test_the_sglang_targets_hold_for_the_stand_in)"
+            )
+        done = subprocess.run(
+            [str(sglang_python), "-m", "megatron_grpo.rollout.sglang_compat"],
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+        return
+    assert moved(SGLANG) == []
+
+
+@pytest.fixture
+def standin_sglang(monkeypatch):
+    """SGLang 0.5.23's stand-in modules in ``sys.modules``; returns them."""
+    made = sglang_standin.modules()
+    for name, module in made.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    sglang_compat.check_server.cache_clear()
+    yield made
+    sglang_compat.check_server.cache_clear()
+
+
+def test_the_sglang_targets_hold_for_the_stand_in(standin_sglang):
+    assert sglang_standin.VERSION == SGLANG.tested
+    assert moved(SGLANG) == []
 
 
 # --------------------------------------------------------------------------- the check
@@ -141,3 +190,38 @@ def test_compat_install_stops_before_patching_when_something_moved(monkeypatch):
     with pytest.raises(MovedInternals, match="_set_cuda_rng_state"):
         compat.install()
     assert torch.cuda.current_device is current_device
+
+
+def test_an_sglang_server_of_another_release_is_checked_where_sglang_is(
+    monkeypatch, standin_sglang
+):
+    sglang_compat.check_server(SGLANG.tested)  # the tested release: nothing to do
+    monkeypatch.setattr(sglang_compat, "_local_sglang", lambda: "0.6.0")
+    updater = standin_sglang[sglang_standin.UPDATER].WeightUpdater
+    updater.join_weights_update_group = updater.init_weights_update_group
+    del updater.init_weights_update_group
+    with pytest.raises(MovedInternals) as raised:
+        sglang_compat.check_server("0.6.0")
+    print(raised.value)
+    assert "sglang 0.6.0 is installed" in str(raised.value)
+    assert "WeightUpdater has no attribute 'init_weights_update_group'" in str(raised.value)
+
+
+def test_an_sglang_server_of_another_release_is_flagged_where_sglang_is_not(monkeypatch):
+    sglang_compat.check_server.cache_clear()
+    monkeypatch.setattr(sglang_compat, "_local_sglang", lambda: None)
+    with pytest.warns(UntestedRelease, match="unchecked") as seen:
+        sglang_compat.check_server("0.6.1")
+    assert all(t.name in str(seen[0].message) for t in SGLANG.targets)
+    sglang_compat.check_server.cache_clear()
+
+
+def test_the_server_side_check_reports_what_it_found(monkeypatch, standin_sglang, capsys):
+    """``python -m megatron_grpo.rollout.sglang_compat``, as run in the server's environment."""
+    monkeypatch.setattr(sglang_compat.importlib.metadata, "version", lambda name: "0.5.23")
+    assert sglang_compat.main() == 0
+    total = len(SGLANG.targets)
+    assert f"{total} of {total} targets of {SGLANG.compat_module} found" in capsys.readouterr().out
+    del standin_sglang[sglang_standin.COMMON].SafeUnpickler
+    assert sglang_compat.main() == 1
+    assert "moved: sglang.srt.utils.common.SafeUnpickler" in capsys.readouterr().out
