@@ -1,4 +1,4 @@
-"""The third-party internals the package patches: declared, present and checked.
+"""The third-party internals the package patches: declared, present, checked, and nowhere else.
 
 - Every declared target of torch and megatron-core exists in the installed releases, with
   the parameters the patches rely on; SGLang's against a real sglang where there is one,
@@ -6,10 +6,13 @@
 - The start-up check names what moved when a stand-in module renames a patched attribute or
   drops a parameter, warns on an untested release where nothing moved, and stops
   ``compat.install`` before it patches anything.
+- No module outside the compat modules patches torch, megatron-core, transformers or
+  SGLang, or reaches for their private names.
 """
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
@@ -30,6 +33,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 import sglang_standin  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "megatron_grpo"
+COMPAT_MODULES = {"mcore/compat.py", "mcore/device.py", "rollout/sglang_compat.py"}
+"""Where patches of third-party internals may live (docs/architecture.md)."""
+THIRD_PARTY = {"torch", "megatron", "transformers", "sglang"}
 
 
 # --------------------------------------------------------------------------- declared targets
@@ -225,3 +232,150 @@ def test_the_server_side_check_reports_what_it_found(monkeypatch, standin_sglang
     del standin_sglang[sglang_standin.COMMON].SafeUnpickler
     assert sglang_compat.main() == 1
     assert "moved: sglang.srt.utils.common.SafeUnpickler" in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------- patch sites
+
+
+def _chain(node: ast.AST) -> list[str] | None:
+    """``["a", "b", "c"]`` for the expression ``a.b.c``; None for anything else."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    return [node.id, *reversed(parts)] if isinstance(node, ast.Name) else None
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def patch_sites(source: str) -> list[str]:
+    """Where ``source`` patches a third-party library or reaches for its private names:
+    an attribute of one of its modules or classes (or an alias of one) assigned or deleted,
+    ``setattr``/``delattr`` on one, a private name imported from it, and any private
+    attribute (``x._name``) of anything but ``self``/``cls`` and the standard library's or
+    this package's modules, named as a string to ``getattr`` and its kin too."""
+    tree = ast.parse(source)
+    bound: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:  # import a.b binds a; import a.b as x binds x to a.b
+                root = alias.name.split(".")[0]
+                bound[alias.asname or root] = alias.name if alias.asname else root
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            for alias in node.names:
+                bound[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+    for node in ast.walk(tree):  # plain aliases: writer = fsa.FileSystemWriterAsync
+        if isinstance(node, ast.Assign) and [type(t) for t in node.targets] == [ast.Name]:
+            chain = _chain(node.value)
+            if chain and chain[0] in bound:
+                bound[node.targets[0].id] = ".".join([bound[chain[0]], *chain[1:]])  # type: ignore[attr-defined]
+
+    def resolve(node: ast.AST) -> str | None:
+        chain = _chain(node)
+        return ".".join([bound[chain[0]], *chain[1:]]) if chain and chain[0] in bound else None
+
+    def third_party(name: str | None) -> bool:
+        return name is not None and name.split(".")[0] in THIRD_PARTY
+
+    found = set()
+    for node in ast.walk(tree):
+        targets: list[ast.AST] = []
+        if isinstance(node, ast.Assign | ast.Delete):
+            targets = list(node.targets)
+        elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+            targets = [node.target]
+        for target in targets:
+            for one in target.elts if isinstance(target, ast.Tuple) else [target]:
+                if isinstance(one, ast.Attribute) and third_party(resolve(one.value)):
+                    found.add((node.lineno, f"sets {resolve(one)}"))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.args:
+            name, args = node.func.id, node.args
+            if name in ("setattr", "delattr") and third_party(resolve(args[0])):
+                found.add((node.lineno, f"{name} on {resolve(args[0])}"))
+            if name in ("getattr", "setattr", "hasattr", "delattr") and len(args) > 1:
+                if isinstance(args[1], ast.Constant) and _private(str(args[1].value)):
+                    found.add((node.lineno, f"{name} of private {args[1].value!r}"))
+        if isinstance(node, ast.Attribute) and _private(node.attr):
+            if _chain(node.value) in (["self"], ["cls"]):
+                continue
+            root = (resolve(node.value) or "").split(".")[0]
+            if root in sys.stdlib_module_names or root == "megatron_grpo":
+                continue
+            found.add((node.lineno, f"private {ast.unparse(node)}"))
+        if isinstance(node, ast.ImportFrom) and third_party(node.module):
+            for alias in node.names:
+                if _private(alias.name):
+                    found.add((node.lineno, f"imports private {node.module}.{alias.name}"))
+    return [f"line {line}: {what}" for line, what in sorted(found)]
+
+
+def test_no_patch_of_a_third_party_library_outside_the_compat_modules():
+    sites = {
+        str(path.relative_to(PACKAGE)): found
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if str(path.relative_to(PACKAGE)) not in COMPAT_MODULES
+        and (found := patch_sites(path.read_text()))
+    }
+    assert sites == {}
+
+
+def test_the_compat_modules_are_where_the_patches_are():
+    for module in ("mcore/compat.py", "mcore/device.py"):
+        assert patch_sites((PACKAGE / module).read_text()), module
+
+
+@pytest.mark.parametrize(
+    "source, expected",
+    [
+        ("import torch\ntorch.cuda.Stream = object", "line 2: sets torch.cuda.Stream"),
+        (
+            "from megatron.core.transformer.moe import router\nrouter.TopKRouter.forward = f",
+            "line 2: sets megatron.core.transformer.moe.router.TopKRouter.forward",
+        ),
+        (
+            "from megatron.core.distributed import DistributedDataParallel as DDP\n"
+            "def f():\n    DDP.start_param_sync = g",
+            "line 3: sets megatron.core.distributed.DistributedDataParallel.start_param_sync",
+        ),
+        (
+            "from megatron.core.dist_checkpointing.strategies import filesystem_async as fsa\n"
+            "writer = fsa.FileSystemWriterAsync\nwriter.write_preloaded_data = g",
+            "line 3: sets megatron.core.dist_checkpointing.strategies.filesystem_async."
+            "FileSystemWriterAsync.write_preloaded_data",
+        ),
+        ("import transformers\nsetattr(transformers, 'x', 1)", "line 2: setattr on transformers"),
+        (
+            "import torch.distributed as dist\nstore = dist.distributed_c10d._get_default_store()",
+            "line 2: private dist.distributed_c10d._get_default_store",
+        ),  # fmt: skip
+        (
+            "def f(config):\n    config._attn_implementation = 'eager'",
+            "line 2: private config._attn_implementation",
+        ),  # fmt: skip
+        (
+            "from sglang.srt.utils import _helper",
+            "line 1: imports private sglang.srt.utils._helper",
+        ),
+        (
+            "def f(o):\n    return getattr(o, '_init_states', None)",
+            "line 2: getattr of private '_init_states'",
+        ),  # fmt: skip
+    ],
+)
+def test_a_new_patch_site_is_caught(source, expected):
+    assert expected in patch_sites(source)
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "import torch\nlast = torch.zeros(3)\nlast[torch.cumsum(x, 0)] = 1",
+        "import os\nos._exit(0)",
+        "class A:\n    def f(self):\n        self._x = 1\n        return self._x",
+        "def f(spec):\n    spec.submodules.input_layernorm = None",  # a spec's public fields
+    ],
+)
+def test_ordinary_code_is_not_a_patch_site(source):
+    assert patch_sites(source) == []
