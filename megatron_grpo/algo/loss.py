@@ -10,7 +10,7 @@ megatron-core must then add no factor of its own, and it does not:
 - the model config sets ``calculate_per_token_loss=True``, so the schedule
   does not divide the loss by the number of micro-batches, and DDP sums
   gradients over DP x CP instead of averaging them;
-- ``mcore.model`` hands megatron-core's ``finalize_model_grads`` no token
+- ``mcore.compat`` hands megatron-core's ``finalize_model_grads`` no token
   count, so the gradients are not divided by it either.
 The gradient after the backward passes and the DDP all-reduce is therefore
 exactly dJ/dtheta, whatever the layout. KL and entropy use the same weights.

@@ -2,8 +2,9 @@
 
 Saves are atomic: every rank writes into ``<dir>.partial``; once all ranks
 are done, rank 0 renames it to ``<dir>``. A crash mid-save leaves only a
-``.partial`` folder behind and the previous checkpoint untouched. A rank with little to
-write writes it itself (``checkpoint_writes``), without megatron-core's helper processes.
+``.partial`` folder behind and the previous checkpoint untouched. A rank with under
+``IN_PROCESS_BYTES`` to write writes it itself (``compat.writes_in_process``), without
+megatron-core's helper processes.
 """
 
 from __future__ import annotations
@@ -13,11 +14,27 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
-from megatron_grpo.mcore.checkpoint_writes import IN_PROCESS_BYTES, local_bytes, writes_in_process
+from megatron_grpo.mcore.compat import writes_in_process
 from megatron_grpo.mcore.parallel import ParallelContext
 from megatron_grpo.mcore.wrappers import unwrap
+
+IN_PROCESS_BYTES = 1 << 30
+"""A rank writes its checkpoint files itself below this many bytes of tensors."""
+
+
+def local_bytes(state: Any) -> int:
+    """Bytes of the tensors a sharded state dict holds on this rank."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    total = 0
+    for value in nested_values(state):
+        data = getattr(value, "data", value)
+        if isinstance(data, torch.Tensor):
+            total += data.numel() * data.element_size()
+    return total
 
 
 def _model_keys(model: list) -> list[str]:

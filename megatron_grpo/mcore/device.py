@@ -1,29 +1,34 @@
-"""The device layer: lets megatron-core run on CPU (gloo) when CUDA is absent.
+"""The device layer, torch's side: lets megatron-core run on CPU (gloo) when CUDA is absent.
 
 megatron-core assumes CUDA in a handful of places: ``device="cuda"`` factory
 calls (schedules, causal masks, grad clipping, also in the forward that activation
 recomputation reruns during backward), ``torch.cuda.current_device()``
 (p2p communication, DDP buffers, rotary embeddings), the CUDA RNG behind the
 model-parallel RNG tracker, and a ``param.grad.type() == 'torch.cuda.FloatTensor'``
-assertion in grad clipping. Its MoE layer adds three: the alltoall token dispatcher
-copies its split sizes to the host on a side ``torch.cuda.Stream`` and waits on an
-event, and hands ``all_to_all_single`` those sizes as numpy arrays only when the
-tensors were on a GPU (CPU tensors stay tensors, which gloo refuses); the router's
-gate names ``te_general_gemm``, defined only when Transformer Engine is importable.
-On a machine without CUDA, :func:`install` routes all of them to the CPU. With CUDA
-present it does nothing, so the same code runs unchanged on GPUs with nccl and
-Transformer Engine.
+assertion in grad clipping. Its MoE layer copies its split sizes to the host on a side
+``torch.cuda.Stream`` and waits on an event. On a machine without CUDA, :func:`install`
+routes all of them to the CPU through a ``TorchFunctionMode`` and ten ``torch.cuda``
+stand-ins. With CUDA present it does nothing, so the same code runs unchanged on GPUs with
+nccl and Transformer Engine.
 
-This is the only module in the project that knows about the difference.
+This module holds every patch of torch and every call of a private torch API (the default
+store, an NCCL group's timeout), declared in ``TORCH``. The patches of megatron-core that
+the CPU needs besides are in ``mcore.compat``, whose ``install`` calls this one. Only these
+two modules know about the difference between CPU and GPU.
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
+from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
+
+from megatron_grpo.internals import Library, Target
 
 _CPU = torch.device("cpu")
 _installed = False
@@ -86,11 +91,13 @@ def _tensor_method(func, args: tuple, kwargs: dict[str, Any]) -> Any:
     return func(*args, **kwargs)
 
 
-def _cpu_rng_state(*_args: Any, **_kwargs: Any) -> torch.Tensor:
+def cpu_rng_state(*_args: Any, **_kwargs: Any) -> torch.Tensor:
+    """Stands in for the CUDA generator's ``get_rng_state``: the CPU generator's state."""
     return torch.get_rng_state()
 
 
-def _set_cpu_rng_state(new_state: torch.Tensor, *_args: Any, **_kwargs: Any) -> None:
+def set_cpu_rng_state(new_state: torch.Tensor, *_args: Any, **_kwargs: Any) -> None:
+    """Stands in for the CUDA generator's ``set_rng_state``."""
     torch.set_rng_state(new_state)
 
 
@@ -132,53 +139,105 @@ class _HostStream:
 _HOST_STREAM = _HostStream()
 
 
-def _host_split_sizes(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
-    """megatron-core's ``maybe_move_tensor_to_cpu`` for tensors already on the host: the
-    numpy array that ``all_to_all_single`` takes as split sizes, as the GPU path gives."""
-    if as_numpy and torch.is_tensor(tensor):
-        return tensor.numpy()
-    return tensor
+def install() -> None:
+    """Activate the CPU stand-ins for CUDA in torch. Idempotent; a no-op when CUDA is present.
 
-
-def _install_moe_stand_ins() -> None:
-    from megatron.core.transformer.moe import moe_utils, token_dispatcher
-
+    The megatron-core half of the layer is ``mcore.compat.install``, which calls this.
+    """
+    global _installed
+    if _installed or cuda_available():
+        return
+    # Each replaces a torch.cuda attribute that megatron-core calls unconditionally.
+    # p2p communication, DDP buffers and rotary embeddings place tensors on the current device.
+    torch.cuda.current_device = lambda: _CPU  # type: ignore[assignment,return-value]
+    # Timers, the schedules and checkpoint preloading wait for the GPU; the host never lags.
+    torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+    # The model-parallel RNG tracker saves, seeds and restores the CUDA generator around every
+    # fork (attention forks it even with dropout 0): the CPU generator stands in.
+    torch.cuda.get_rng_state = cpu_rng_state  # type: ignore[assignment]
+    torch.cuda.set_rng_state = set_cpu_rng_state  # type: ignore[assignment]
+    torch.cuda.manual_seed = torch.manual_seed  # type: ignore[assignment]
+    torch.cuda.random.get_rng_state = cpu_rng_state  # type: ignore[assignment]
+    # The MoE alltoall dispatcher copies its split sizes to the host on a side stream and
+    # waits on an event: on the host everything already ran in order.
     torch.cuda.Stream = _HostStream  # type: ignore[assignment,misc]
     torch.cuda.Event = _HostEvent  # type: ignore[assignment,misc]
     torch.cuda.current_stream = lambda *a, **k: _HOST_STREAM  # type: ignore[assignment,return-value]
     torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()  # type: ignore[assignment]
-    token_dispatcher.maybe_move_tensor_to_cpu = _host_split_sizes  # type: ignore[attr-defined]
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None  # type: ignore[attr-defined]
-
-
-def install() -> None:
-    """Activate the CPU stand-ins for CUDA. Idempotent; a no-op when CUDA is present."""
-    global _installed
-    if _installed or cuda_available():
-        return
-    from megatron.core.tensor_parallel import random as mcore_random
-
-    torch.cuda.current_device = lambda: _CPU  # type: ignore[assignment,return-value]
-    torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
-    torch.cuda.get_rng_state = _cpu_rng_state  # type: ignore[assignment]
-    torch.cuda.set_rng_state = _set_cpu_rng_state  # type: ignore[assignment]
-    torch.cuda.manual_seed = torch.manual_seed  # type: ignore[assignment]
-    torch.cuda.random.get_rng_state = _cpu_rng_state  # type: ignore[assignment]
-    mcore_random._get_cuda_rng_state = _cpu_rng_state
-    mcore_random._set_cuda_rng_state = _set_cpu_rng_state
-    # Activation recomputation reruns the forward inside autograd's backward, which torch
-    # runs outside the function mode: the recomputed forward needs the mode too.
-    for fn in (mcore_random.CheckpointFunction, mcore_random.CheckpointWithoutOutputFunction):
-        fn.backward = staticmethod(_in_cpu_mode(fn.backward))  # type: ignore[method-assign]
-    _install_moe_stand_ins()
     _CudaToCpuMode().__enter__()
     _installed = True
 
 
-def _in_cpu_mode(backward):
+def in_cpu_mode(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` run inside the function mode: for code torch runs outside it (autograd's
+    backward), which would otherwise see CUDA placements again."""
+
     def run(*args: Any) -> Any:
         with _CudaToCpuMode():
-            return backward(*args)
+            return fn(*args)
 
     return run
+
+
+# --------------------------------------------------------------------------- private torch API
+
+
+def default_store() -> Any:
+    """torch.distributed's own store (the TCPStore of the main rank under torchrun): torch
+    has no public accessor for it."""
+    return dist.distributed_c10d._get_default_store()
+
+
+def nccl_options(timeout: datetime.timedelta) -> Any:
+    """``ProcessGroupNCCL.Options`` with ``timeout``: its constructor takes none, and torch's
+    own group helper sets the private ``_timeout`` the same way."""
+    from torch.distributed.distributed_c10d import ProcessGroupNCCL
+
+    options = ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    return options
+
+
+# --------------------------------------------------------------------------- declared targets
+
+_CUDA_STAND_IN = "replaced on CPU by device.install: {}"
+TORCH = Library(
+    distribution="torch",
+    tested="2.13.0",
+    compat_module="megatron_grpo/mcore/device.py",
+    targets=(
+        *(
+            Target("torch.cuda", attr, _CUDA_STAND_IN.format(why))
+            for attr, why in (
+                ("current_device", "the CPU device, for megatron-core's current-device tensors"),
+                ("synchronize", "a no-op"),
+                ("get_rng_state", "the CPU generator, for the model-parallel RNG tracker"),
+                ("set_rng_state", "the CPU generator, for the model-parallel RNG tracker"),
+                ("manual_seed", "torch.manual_seed, for the model-parallel RNG tracker"),
+                ("random.get_rng_state", "the CPU generator, for the model-parallel RNG tracker"),
+                ("Stream", "a host stream, for the MoE dispatcher's side stream"),
+                ("Event", "a host event, for the MoE dispatcher's copy-done event"),
+                ("current_stream", "the host stream, for the MoE dispatcher"),
+                ("stream", "a null context, for the MoE dispatcher"),
+            )
+        ),
+        Target(
+            "torch.overrides",
+            "TorchFunctionMode.__torch_function__",
+            "subclassed by the device layer to move CUDA placements to the CPU",
+            params=("func", "types", "args", "kwargs"),
+        ),
+        Target(
+            "torch.distributed.distributed_c10d",
+            "_get_default_store",
+            "called by device.default_store: the main-rank wait's store (train/main_wait.py)",
+        ),
+        Target(
+            "torch._C._distributed_c10d",
+            "Backend.Options._timeout",
+            "set by device.nccl_options: the timeout of an NCCL weight-update group",
+        ),
+    ),
+)
+"""torch's internals that this package patches or calls; ``mcore.compat.install`` checks
+them at start-up (``internals.check``)."""

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from megatron_grpo.config import ModelConfig, OptimConfig, TrainConfig
 from megatron_grpo.config.model import check_moe_layout
+from megatron_grpo.mcore.compat import FinalizeGrads, force_param_sync
 from megatron_grpo.mcore.layers import block_spec
 from megatron_grpo.mcore.parallel import ParallelContext
 
@@ -83,7 +84,7 @@ def transformer_config(cfg: ModelConfig, ctx: ParallelContext, train: TrainConfi
         **_recompute(train),
         # The loss owns normalization: no division by micro-batch count or DP size.
         calculate_per_token_loss=True,
-        finalize_model_grads_func=_FinalizeGrads(ctx.pg),
+        finalize_model_grads_func=FinalizeGrads(ctx.pg),  # no token-count division
     )
 
 
@@ -127,38 +128,6 @@ def _recompute(train: TrainConfig | None) -> dict:
         "recompute_method": train.recompute_method,
         "recompute_num_layers": train.recompute_num_layers,
     }
-
-
-def _finalize_grads(model, num_tokens=None, pg_collection=None, force_all_reduce=False, *, pg):
-    """megatron-core's finalize_model_grads without its division by the token count.
-
-    The schedule passes the summed per-micro-batch token counts when
-    ``calculate_per_token_loss`` is set; our loss is already scaled by the
-    global denominator, so that count is not applied (see ``algo.loss``).
-    """
-    from megatron.core.distributed import finalize_model_grads
-
-    finalize_model_grads(
-        model, num_tokens=None, pg_collection=pg, force_all_reduce=force_all_reduce
-    )
-
-
-class _FinalizeGrads:
-    """``_finalize_grads`` bound to the layout's process groups.
-
-    Not a ``functools.partial``: megatron-core deep-copies the TransformerConfig that holds
-    it (SequentialMLP does, for experts narrower than the dense MLP) and process groups
-    cannot be copied; a copy of this is this same object.
-    """
-
-    def __init__(self, pg) -> None:
-        self.pg = pg
-
-    def __call__(self, model, num_tokens=None, pg_collection=None, force_all_reduce=False):
-        _finalize_grads(model, num_tokens, pg_collection, force_all_reduce, pg=self.pg)
-
-    def __deepcopy__(self, memo) -> _FinalizeGrads:
-        return self
 
 
 def build_gpt(
@@ -258,8 +227,4 @@ def sync_params(model: list) -> None:
     for chunk in model:
         ddp_config = getattr(chunk, "ddp_config", None)
         if ddp_config is not None and ddp_config.overlap_param_gather:
-            chunk.start_param_sync(force_sync=True)
-            # The forced gather marks this iteration's gather as done; the next forward
-            # must still gather whatever a later optimizer step writes.
-            for group in chunk.bucket_groups:
-                group.param_gather_dispatched = False
+            force_param_sync(chunk)

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_grpo.config import ParallelDims
-from megatron_grpo.mcore import device
+from megatron_grpo.mcore import compat, device
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ def init_parallel(
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    device.install()
+    compat.install()  # the release check; on CPU, the device layer
     if not dist.is_initialized():
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         dims.data_parallel_size(world_size)  # fail before any collective

@@ -4,10 +4,11 @@ megatron-core's own auxiliary loss is computed per micro-batch (its expert count
 those of the micro-batch's tokens) and scaled per micro-batch, so its gradient changes
 with the micro-batch count and the DP split. It is switched off (``mcore.model``), and
 this module attaches the per-sequence balance loss of ``algo.normalization`` instead:
-a forward hook on every router computes it from the router's scores and routing for the
-micro-batch being run (its sequences are set by ``set_batch`` just before the forward)
-and attaches it with megatron-core's ``MoEAuxLossAutoScaler``, which adds its gradient
-in the backward pass on whichever pipeline stage holds the layer. The schedule sets that
+a hook after every router's forward (``compat.hook_routers``) computes it from the
+router's scores and routing for the micro-batch being run (its sequences are set by
+``set_batch`` just before the forward) and attaches it with megatron-core's
+``MoEAuxLossAutoScaler`` (``compat.attach_aux_loss``), which adds its gradient in the
+backward pass on whichever pipeline stage holds the layer. The schedule sets that
 autoscaler's scale to 1 under ``calculate_per_token_loss`` (fp32 and bf16 alike), so the
 term enters J exactly once.
 
@@ -26,6 +27,7 @@ from torch import Tensor
 
 from megatron_grpo.algo.normalization import aux_loss_weight, sequence_balance_loss
 from megatron_grpo.config import ModelConfig
+from megatron_grpo.mcore import compat
 from megatron_grpo.mcore.parallel import ParallelContext
 from megatron_grpo.mcore.wrappers import unwrap
 
@@ -34,8 +36,6 @@ class RouterBalance:
     """Hooks on this rank's routers: the balance loss and per-layer expert loads."""
 
     def __init__(self, model: list, cfg: ModelConfig, ctx: ParallelContext) -> None:
-        from megatron.core.transformer.moe.router import TopKRouter
-
         assert cfg.num_experts is not None
         self.cfg, self.ctx = cfg, ctx
         self.weight = 0.0
@@ -44,10 +44,7 @@ class RouterBalance:
         self._num_seqs = 0
         self.loss = torch.zeros((), dtype=torch.float64)
         self.loads = torch.zeros(cfg.num_layers, cfg.num_experts, dtype=torch.float64)
-        for chunk in model:
-            for module in chunk.modules():
-                if isinstance(module, TopKRouter):
-                    module.register_forward_hook(self._hook)
+        compat.hook_routers(model, self._on_route)
 
     def set_batch(self, batch) -> None:
         """The micro-batch the next forward runs (``seg`` [B, S], ``num_samples``)."""
@@ -67,11 +64,10 @@ class RouterBalance:
         start = self.ctx.tp_rank * local_positions if sp else 0
         return seg_BS[:, start : start + local_positions].t().reshape(-1)
 
-    def _hook(self, router, args, output):
+    def _on_route(self, router, hidden: Tensor, probs: Tensor, routing_map: Tensor):
+        """The router's balance loss attached to its ``probs`` (None: unchanged)."""
         if not torch.is_grad_enabled() or self._seg is None:
             return None
-        probs, routing_map = output
-        hidden = args[0]
         seg = self._local_seg(self._seg.to(hidden.device), hidden.shape[0])
         live = seg >= 0
         routed = routing_map.new_zeros(self._num_seqs, routing_map.shape[1], dtype=torch.float32)
@@ -79,10 +75,10 @@ class RouterBalance:
         if self.ctx.dims.uses_sequence_parallel:  # each TP rank routed a slice of each sequence
             dist.all_reduce(routed, group=self.ctx.tp_group)
         seq_len = torch.bincount(self._seg[self._seg >= 0], minlength=self._num_seqs)
-        self.loads[router.layer_number - 1] += routing_map[live].sum(0).double().cpu()
+        self.loads[compat.router_layer(router) - 1] += routing_map[live].sum(0).double().cpu()
         if not self.cfg.moe_aux_loss_coeff:
             return None
-        logits = router.gating(hidden).reshape(-1, routing_map.shape[1])
+        logits = compat.router_logits(router, hidden).reshape(-1, routing_map.shape[1])
         scores = torch.softmax(logits.float(), dim=-1)
         loss = sequence_balance_loss(
             scores,
@@ -93,9 +89,7 @@ class RouterBalance:
             topk=self.cfg.moe_router_topk,
         )
         self.loss += loss.detach().double().cpu()
-        from megatron.core.transformer.moe.router import MoEAuxLossAutoScaler
-
-        return MoEAuxLossAutoScaler.apply(probs, loss), routing_map
+        return compat.attach_aux_loss(probs, loss)
 
     def step_metrics(self) -> dict[str, float]:
         """The balance loss of the step (summed over layers) and the busiest expert's load

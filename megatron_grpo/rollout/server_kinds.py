@@ -1,5 +1,6 @@
 """What each rollout engine in use is (the embedded server or SGLang, its TP size, its
-host), from its ``/server_info``, and so how a tensor update reaches it."""
+host), from its ``/server_info``, and so how a tensor update reaches it. An SGLang server's
+release is checked there (``sglang_compat.check_server``), before any weights are sent."""
 
 from __future__ import annotations
 
@@ -27,9 +28,10 @@ class ServerKind(NamedTuple):
 async def server_kinds(client: Any) -> dict[str, ServerKind]:
     """What each engine in use is, from its ``/server_info``."""
     from megatron_grpo.rollout.embedded.server import SERVER_VERSION
+    from megatron_grpo.rollout.sglang_compat import check_server
 
     infos = await asyncio.gather(*(client.server_info(url) for url in client.urls))
-    return {
+    kinds = {
         url: ServerKind(
             embedded=info.get("version") == SERVER_VERSION,
             tp_size=int(info.get("tp_size", 1)),
@@ -37,3 +39,7 @@ async def server_kinds(client: Any) -> dict[str, ServerKind]:
         )
         for url, info in zip(client.urls, infos)
     }
+    for info, kind in zip(infos, kinds.values()):
+        if not kind.embedded:  # the weights reach it through SGLang's internals
+            check_server(str(info.get("version", "unknown")))
+    return kinds

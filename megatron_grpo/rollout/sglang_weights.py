@@ -20,14 +20,12 @@ Broadcast group. For ``/init_weights_update_group`` +
 ``/update_weights_from_distributed`` the trainer is rank 0 of a new process
 group whose other ranks are the servers' TP workers. SGLang builds its end
 with ``torch.distributed``'s rendezvous on ``tcp://master_address:port``
-(rank 0 hosts the TCPStore), a ``PrefixStore(group_name)`` on it, and
-torch's process-group helper, which prefixes the store again with
-``"{group_name}/"`` and ``"{device}/"`` (``cpu`` for gloo, ``cuda`` for
-nccl) before building the backend. The trainer's end is built here from the
-same pieces directly: a ``TCPStore``, the same prefixes, and a
-``ProcessGroupGloo`` / ``ProcessGroupNCCL`` object. Nothing is registered
-with ``torch.distributed``'s global state, so the trainer's default group
-and megatron-core's groups are not touched. Each tensor is then one
+(rank 0 hosts the TCPStore) and prefixes of its own and of torch's
+process-group helper (``sglang_compat.update_group_store``). The trainer's end
+is built here from the same pieces directly: a ``TCPStore``, the same
+prefixes, and a ``ProcessGroupGloo`` / ``ProcessGroupNCCL`` object. Nothing is
+registered with ``torch.distributed``'s global state, so the trainer's default
+group and megatron-core's groups are not touched. Each tensor is then one
 broadcast from rank 0, in the order the server was told
 (``names``/``dtypes``/``shapes``).
 """
@@ -47,6 +45,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing  # noqa: F401  (registers torch's reductions with ForkingPickler)
 from torch import Tensor
+
+from megatron_grpo.rollout.sglang_compat import update_group_store
 
 # --------------------------------------------------------------------------- tensor format
 
@@ -165,11 +165,7 @@ def open_update_group(
         wait_for_workers=False,
         multi_tenant=True,
     )
-    # The same prefixes as the server's end (see the module docstring).
-    device_type = "cuda" if backend == "nccl" else "cpu"
-    prefixed = dist.PrefixStore(
-        f"{device_type}/", dist.PrefixStore(f"{group_name}/", dist.PrefixStore(group_name, store))
-    )
+    prefixed = update_group_store(store, group_name, backend)  # the server's end's prefixes
     if backend == "gloo":
         from torch.distributed.distributed_c10d import ProcessGroupGloo
 
@@ -178,9 +174,9 @@ def open_update_group(
     elif backend == "nccl":
         from torch.distributed.distributed_c10d import ProcessGroupNCCL
 
-        options = ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        pg = ProcessGroupNCCL(prefixed, rank, world_size, options)
+        from megatron_grpo.mcore.device import nccl_options
+
+        pg = ProcessGroupNCCL(prefixed, rank, world_size, nccl_options(timeout))
         device = torch.device("cuda", torch.cuda.current_device())
     else:
         raise ValueError(f"weight-update group backend must be gloo or nccl, got {backend!r}")

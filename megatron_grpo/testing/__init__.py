@@ -52,8 +52,9 @@ def random_hf_model(hf_config, seed: int = 0):
     import transformers
 
     torch.manual_seed(seed)
-    hf_config._attn_implementation = "eager"
-    model = transformers.AutoModelForCausalLM.from_config(hf_config).eval()
+    model = transformers.AutoModelForCausalLM.from_config(
+        hf_config, attn_implementation="eager"
+    ).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))

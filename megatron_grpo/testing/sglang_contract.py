@@ -23,7 +23,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-SGLANG_VERSION = "0.5.23"
+from megatron_grpo.rollout.sglang_compat import SGLANG
+
+SGLANG_VERSION = SGLANG.tested
 _CONTRACT_FILE = "sglang/api/v1/api_types.py"
 _MODULE_NAME = "megatron_grpo.testing._sglang_api_types"
 _FETCH_HINT = "python -m megatron_grpo.testing.sglang_contract"

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-import torch.distributed as dist
+from megatron_grpo.mcore.device import default_store
 
 T = TypeVar("T")
 
@@ -41,7 +41,7 @@ class MainRankWork:
         self.beat_s = min(beat_s, stall_s / 4)
         self._count = 0
         # torch.distributed's own store (TCPStore on the main rank under torchrun).
-        self.store: Any = dist.distributed_c10d._get_default_store() if world_size > 1 else None
+        self.store: Any = default_store() if world_size > 1 else None
 
     def run(self, what: str, work: Callable[[], T]) -> T | None:
         """``work()`` on the main rank (its result; None elsewhere, once it is done)."""

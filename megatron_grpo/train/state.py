@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from megatron_grpo.mcore import checkpoint
+from megatron_grpo.mcore import checkpoint, compat
 from megatron_grpo.mcore.model import sync_params
 from megatron_grpo.mcore.parallel import ParallelContext
 from megatron_grpo.train.save_hf import hf_root
@@ -112,7 +112,7 @@ def load(
     from megatron.core.dist_checkpointing import load_common_state_dict
 
     same_world = load_common_state_dict(str(path)).get("world_size") == ctx.world_size
-    _allocate_optimizer_state(optimizer)
+    compat.allocate_optimizer_state(optimizer)
     # Entries that are not sharded (scheduler, step, extra) come back from the
     # checkpoint's common part on their own.
     state = _sharded_state(model, optimizer, ctx, is_loading=True, with_rng=same_world)
@@ -120,48 +120,9 @@ def load(
     checkpoint.load_model_state(model, loaded)
     with torch.no_grad():  # megatron-core copies into its fp32 master weights in place
         optimizer.load_state_dict(loaded["optimizer"])
-    _restore_adam_steps(optimizer)
+    compat.restore_adam_steps(optimizer)
     scheduler.load_state_dict(loaded["scheduler"])
     if same_world:
         torch.set_rng_state(loaded["rng"]["torch"])
         random.setstate(loaded["rng"]["python"])
     return int(loaded["step"]), loaded["extra"]
-
-
-def _inner_optimizers(optimizer) -> list:
-    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
-
-
-def _allocate_optimizer_state(optimizer) -> None:
-    """Give a fresh distributed optimizer its (Adam) state tensors, which the load then fills.
-
-    Its sharded state dict reads the state it is loaded into, and before a first step there
-    is none: megatron-core's own initializer does a zero-gradient step on the fp32 master
-    shards; weights and master copies come from the checkpoint afterwards.
-    """
-    for inner in _inner_optimizers(optimizer):
-        allocate = getattr(inner, "_init_optimizer_states_with_dummy_values", None)
-        if allocate is not None and not inner.optimizer.state:
-            allocate()
-
-
-def _restore_adam_steps(optimizer) -> None:
-    """Give every parameter its own Adam step count, the one saved.
-
-    Without Apex or Transformer Engine (on CPU), megatron-core's distributed optimizer
-    loads the saved step into its param groups and one shared step tensor into the state
-    of every parameter, and then overwrites that tensor with the step of the state it was
-    loaded into (the zero-gradient step that allocated it). torch's Adam would go on from
-    there, adding 1 to the shared tensor once per parameter, and every later bias
-    correction would be off. With Apex or Transformer Engine the step lives in the param
-    groups alone and this does nothing.
-    """
-    for inner in _inner_optimizers(optimizer):
-        torch_optimizer = getattr(inner, "optimizer", None)
-        for group in getattr(torch_optimizer, "param_groups", []):
-            if "step" not in group:
-                continue
-            for param in group["params"]:
-                state = torch_optimizer.state.get(param, {})  # type: ignore[union-attr]
-                if isinstance(state.get("step"), torch.Tensor):
-                    state["step"] = torch.tensor(float(group["step"]), dtype=state["step"].dtype)

@@ -28,6 +28,7 @@ SCRIPTS = (
     "loss_overhead",
     "memory",
     "async_rl",
+    "checkpoint_save",
 )
 
 

@@ -51,7 +51,7 @@ def planted_bug_layout(*, bug: str, **kwargs):
 
         planner.balance = balance
     elif bug == "token-count-division":  # megatron's per-token division let through
-        import megatron_grpo.mcore.model as mcore_model
+        import megatron_grpo.mcore.compat as mcore_compat
 
         def finalize_dividing(
             model, num_tokens=None, pg_collection=None, force_all_reduce=False, *, pg
@@ -60,11 +60,11 @@ def planted_bug_layout(*, bug: str, **kwargs):
 
             finalize_model_grads(model, num_tokens=num_tokens, pg_collection=pg)
 
-        mcore_model._finalize_grads = finalize_dividing
+        mcore_compat.finalize_grads = finalize_dividing
     elif bug == "unreduced-norm-grad":  # TP rank 1 keeps its partial norm gradients (SP)
-        import megatron_grpo.mcore.model as mcore_model
+        import megatron_grpo.mcore.compat as mcore_compat
 
-        original_finalize = mcore_model._finalize_grads
+        original_finalize = mcore_compat.finalize_grads
 
         def finalize_skipping(model, *args, pg, **kw):
             norms = [
@@ -78,7 +78,7 @@ def planted_bug_layout(*, bug: str, **kwargs):
             for p, g in zip(norms, partial):
                 p.main_grad.copy_(g)
 
-        mcore_model._finalize_grads = finalize_skipping
+        mcore_compat.finalize_grads = finalize_skipping
     else:
         raise ValueError(bug)
     return run_layout(**kwargs)

@@ -1,4 +1,5 @@
-"""The CPU device layer, checked in a child process (it patches torch globally)."""
+"""The CPU device layer (``device`` for torch, ``compat`` for megatron-core), checked in a
+child process (it patches torch globally)."""
 
 import subprocess
 import sys
@@ -10,9 +11,9 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the layer is 
 
 PROBE = r"""
 import torch
-from megatron_grpo.mcore import device
-device.install()
-device.install()  # idempotent
+from megatron_grpo.mcore import compat
+compat.install()
+compat.install()  # idempotent
 x = torch.zeros(3, device="cuda")
 assert x.device.type == "cpu", x.device
 assert torch.ones(2).cuda().device.type == "cpu"

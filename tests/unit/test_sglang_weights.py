@@ -1,12 +1,16 @@
 """The trainer's ends of SGLang's weight transports, against stand-in receivers.
 
-- The broadcast group: the receivers are separate processes that join the
-  way an SGLang server does in ``/init_weights_update_group`` (a ``tcp://``
-  rendezvous, ``PrefixStore(group_name)`` and torch's own process-group
-  helper), at SGLang's rank offsets, and receive each tensor by broadcast.
-- The tensor format: another process unpickles the payload with an
-  allow-list of torch names, as SGLang's ``SafeUnpickler`` does, and sees
-  the same tensors.
+- The broadcast group: the receivers are separate processes that join
+  through SGLang's ``WeightUpdater.init_weights_update_group`` and
+  ``init_custom_process_group`` (a ``tcp://`` rendezvous, ``PrefixStore(group_name)``
+  and torch's own process-group helper), at SGLang's rank offsets, and receive
+  each tensor by broadcast.
+- The tensor format: another process reads the payload with SGLang's
+  ``MultiprocessingSerializer.deserialize`` (an allow-list of torch names,
+  ``SafeUnpickler``) and sees the same tensors.
+
+Both SGLang pieces are the stand-ins of ``sglang_standin.py``, against which
+``rollout.sglang_compat``'s declared targets are checked too (test_internals.py).
 
 The real SGLang server runs both in tests/sglang.
 """
@@ -37,19 +41,20 @@ from megatron_grpo.rollout.sglang_weights import (
 
 pytestmark = pytest.mark.timeout(120)
 
-RECEIVER = textwrap.dedent(
+STANDIN = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import sglang_standin"
+
+RECEIVER = STANDIN + textwrap.dedent(
     """
-    import datetime, json, os, sys
+    import json, os
     import torch
-    from torch.distributed import PrefixStore, rendezvous
-    from torch.distributed.distributed_c10d import Backend, _new_process_group_helper
+
+    sys.modules.update(sglang_standin.modules())
+    from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
 
     port, rank, world, name, shapes = json.loads(sys.argv[1])
-    timeout = datetime.timedelta(seconds=60)
-    store, rank, world = next(rendezvous(f"tcp://127.0.0.1:{port}", rank, world, timeout=timeout))
-    pg, _ = _new_process_group_helper(
-        world, rank, [], Backend("gloo"), PrefixStore(name, store), group_name=name,
-        timeout=timeout,
+    pg = WeightUpdater(tp_rank=0).init_weights_update_group(
+        master_address="127.0.0.1", master_port=port, rank_offset=rank, world_size=world,
+        group_name=name, backend="gloo",
     )
     sums = []
     for shape, dtype in shapes:
@@ -63,20 +68,17 @@ RECEIVER = textwrap.dedent(
     """
 )
 
-UNPICKLER = textwrap.dedent(
+UNPICKLER = STANDIN + textwrap.dedent(
     """
-    import base64, io, json, pickle, sys
+    import json
     import torch
 
-    class AllowList(pickle.Unpickler):
-        def find_class(self, module, name):
-            if module.split(".")[0] in ("torch", "builtins", "collections"):
-                return super().find_class(module, name)
-            raise RuntimeError(f"blocked {module}.{name}")
+    sys.modules.update(sglang_standin.modules())
+    from sglang.srt.utils.common import MultiprocessingSerializer
 
     out = []
     for entry in json.loads(sys.stdin.read()):
-        pairs = AllowList(io.BytesIO(base64.b64decode(entry))).load()
+        pairs = MultiprocessingSerializer.deserialize(entry)
         out.append({n: [list(t.shape), str(t.dtype), float(t.double().sum())] for n, t in pairs})
         del pairs  # as a server does once loaded: the last reference frees the shared memory
     print(json.dumps(out))
