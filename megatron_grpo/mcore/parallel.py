@@ -50,6 +50,11 @@ class ParallelContext:
         return self.pg.pp  # type: ignore[attr-defined]
 
     @property
+    def cp_group(self) -> dist.ProcessGroup:
+        """The ranks that split each sequence between them (context parallelism)."""
+        return self.pg.cp  # type: ignore[attr-defined]
+
+    @property
     def dp_group(self) -> dist.ProcessGroup:
         return self.pg.dp  # type: ignore[attr-defined]
 

@@ -5,7 +5,8 @@ the tokenizer, on the file system only (a fraction of a second, nothing heavy im
 With ``--nproc`` it then runs ``preflight`` in a short-lived process of its own before it
 starts torchrun (so that the launcher, alive for the whole run, holds none of what it
 imports), and each torchrun worker runs both again before its process group: the layout
-against the world size and the model's heads, query groups and widths, the global batch
+against the world size and the model's heads, query groups and widths, context parallelism
+against the layer spec (it needs Transformer Engine), the global batch
 against DP, the tokenizer, a usable prompt in the data files (every prompt with
 ``data.overlong_prompts=error``), the reward function, the tool loop's tools (the
 ``python`` tool's box). A failure raises ValueError (or
@@ -91,6 +92,10 @@ def check_layout(cfg: Config, world_size: int) -> int:
 
 def preflight(cfg: Config, world_size: int) -> None:
     check_layout(cfg, world_size)
+    if cfg.parallel.cp > 1:  # here, not in the dry run: that plans for another machine
+        from megatron_grpo.mcore.layers import check_spec
+
+        check_spec("auto", cfg.parallel.cp)
     if cfg.rollout.replay_dir is not None:
         return
     from transformers import AutoTokenizer

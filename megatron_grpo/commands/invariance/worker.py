@@ -95,6 +95,7 @@ def run_layout(
     pp: int,
     dp: int,
     ep: int = 1,
+    cp: int = 1,
     model_cfg: ModelConfig,
     modes: list[str],
     micro_batch_counts: list[int],
@@ -115,7 +116,7 @@ def run_layout(
     from megatron_grpo.train.step import StepSettings, train_on_rollout
 
     is_reference = init_state is None
-    run = setup(Layout(dp, tp, pp, ep), features, model_cfg, reference=is_reference)
+    run = setup(Layout(dp, tp, pp, ep, cp), features, model_cfg, reference=is_reference)
     ctx = init_parallel(run.dims)
     model = build_model(run.model, ctx, optim=run.optim, train=run.train)
     vocab = run.model.vocab_size
