@@ -50,9 +50,21 @@ def uses_transformer_engine(spec: LayerSpec = "auto") -> bool:
     return True
 
 
-def check_spec(spec: LayerSpec, context_parallel_size: int) -> None:
+THD_DTYPES = ("bfloat16", "float16")
+"""What Transformer Engine's attention takes packed (THD) sequences and context parallelism
+in: only its fused and flash backends do either, and they take 16-bit inputs; its unfused
+backend, the float32 fallback, takes neither."""
+
+
+def check_spec(spec: LayerSpec, context_parallel_size: int, params_dtype: str = "bfloat16") -> None:
     """Raise a ValueError for a layout the layer spec cannot build: context parallelism runs
-    only in Transformer Engine's attention (TEDotProductAttention)."""
+    only in Transformer Engine's attention (TEDotProductAttention), in 16-bit."""
+    if context_parallel_size > 1 and params_dtype not in THD_DTYPES:
+        raise ValueError(
+            f"parallel.cp={context_parallel_size} needs model.params_dtype=bfloat16: Transformer "
+            "Engine splits attention over CP ranks only in its fused and flash backends, which "
+            f"take 16-bit inputs (got {params_dtype})"
+        )
     if context_parallel_size > 1 and not uses_transformer_engine(spec):
         raise ValueError(
             f"parallel.cp={context_parallel_size} needs Transformer Engine's attention "

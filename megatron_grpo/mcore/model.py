@@ -173,7 +173,7 @@ def build_gpt(
     """One GPTModel chunk (this rank's pipeline stage), not wrapped."""
     from megatron.core.models.gpt import GPTModel
 
-    check_spec(spec, ctx.dims.cp)
+    check_spec(spec, ctx.dims.cp, cfg.params_dtype)
     tcfg = transformer_config(cfg, ctx, train)
     num_chunks = ctx.dims.vpp or 1
     chunk = vp_stage or 0

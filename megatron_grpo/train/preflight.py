@@ -92,10 +92,7 @@ def check_layout(cfg: Config, world_size: int) -> int:
 
 def preflight(cfg: Config, world_size: int) -> None:
     check_layout(cfg, world_size)
-    if cfg.parallel.cp > 1:  # here, not in the dry run: that plans for another machine
-        from megatron_grpo.mcore.layers import check_spec
-
-        check_spec("auto", cfg.parallel.cp)
+    check_packing(cfg)
     if cfg.rollout.replay_dir is not None:
         return
     from transformers import AutoTokenizer
@@ -127,6 +124,21 @@ def preflight(cfg: Config, world_size: int) -> None:
     except ValueError as e:
         raise ValueError(f"reward.{cfg.reward.type}: {e}") from None
     check_tools(cfg)
+
+
+def check_packing(cfg: Config) -> None:
+    """Context parallelism and packed sequences where Transformer Engine runs need what its
+    attention takes them in (here, not in the dry run: that plans for another machine)."""
+    from megatron_grpo.mcore.layers import THD_DTYPES, check_spec, have_transformer_engine
+
+    check_spec("auto", cfg.parallel.cp, cfg.model.params_dtype)
+    packed = cfg.train.pack_sequences and have_transformer_engine()
+    if packed and cfg.model.params_dtype not in THD_DTYPES:
+        raise ValueError(
+            "train.pack_sequences=true with Transformer Engine needs model.params_dtype=bfloat16: "
+            "packed sequences run in its fused and flash attention (THD format), which take "
+            f"16-bit inputs (got {cfg.model.params_dtype}); or leave pack_sequences unset"
+        )
 
 
 def check_tools(cfg: Config) -> None:

@@ -48,3 +48,11 @@ def test_some_mode_uses_the_sequence_level_terms_that_need_the_cp_sum():
 
     levels = {(default_loss(m).ratio_level, default_loss(m).tis_level) for m in MODES}
     assert ("sequence", "sequence") in levels and ("token", "token") in levels
+
+
+def test_a_cp_layout_in_float32_is_refused_before_any_process_starts():
+    """Transformer Engine splits attention over CP ranks only in 16-bit (fused, flash)."""
+    from megatron_grpo.commands.invariance import Layout, check
+
+    with pytest.raises(ValueError, match="needs --features bf16"):
+        check([Layout(1, 1, 1, cp=2)], modes=["token-mean"], micro_batch_counts=[1])

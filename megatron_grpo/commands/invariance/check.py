@@ -100,6 +100,11 @@ def check(
     replaces the worker body, e.g. to plant a bug and see the check catch it.
     """
     model_cfg = model_cfg or default_model()
+    if any(x.cp > 1 for x in layouts) and "bf16" not in features:
+        raise ValueError(
+            "a context-parallel layout needs --features bf16: Transformer Engine splits attention "
+            "over CP ranks only in 16-bit (its fused and flash backends)"
+        )
     common = dict(
         model_cfg=model_cfg,
         modes=modes,
