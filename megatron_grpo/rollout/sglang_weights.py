@@ -78,11 +78,14 @@ def shared_copies(named: Mapping[str, Tensor]) -> dict[str, Tensor]:
 
 
 def cuda_copies(named: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """Copies of ``named`` on this process's GPU, for CUDA IPC (one allocation each, so a
-    handle shares no more than its tensor)."""
-    device = torch.device("cuda", torch.cuda.current_device())
+    """Copies of ``named`` on their GPU, for CUDA IPC (one allocation each, so a handle shares
+    no more than its tensor). A GPU tensor's copy stays on its device: this may run on a
+    thread of its own, whose current device is not the rank's."""
     out = {}
     for name, tensor in named.items():
+        device = (
+            tensor.device if tensor.is_cuda else torch.device("cuda", torch.cuda.current_device())
+        )
         copy = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
         copy.copy_(tensor.detach())
         out[name] = copy

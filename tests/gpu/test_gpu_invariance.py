@@ -4,7 +4,8 @@ there), bf16 against the float32 reference.
 - 1x1x1 with bf16 on one GPU: every loss mode, 1 and 3 micro-batches, permuted, packed
   (THD in bf16), the batch with an empty rank; the float32 reference itself against
   transformers (TF32 tolerance: TE's float32 GEMMs are TF32).
-- TP2, PP2, DP2 and EP2 (MoE) layouts: one GPU per rank. On a one-GPU machine they run only
+- TP2 (with sequence parallelism), PP2 and DP2 in bf16, and EP2 (MoE, float32: TF32
+  tolerance) layouts: one GPU per rank. On a one-GPU machine they run only
   where NCCL lets two ranks share the device (a probe decides); otherwise they are skipped,
   saying so. gloo is no stand-in: megatron-core's collectives on CUDA tensors need NCCL.
 """
@@ -72,13 +73,18 @@ def test_multi_rank_layouts(layout, model, shared_device):
     reason = layout_skip_reason(parsed.world_size, shared_device)
     if reason:
         pytest.skip(reason)
+    # Dense in bf16; MoE in float32 (TF32 GEMMs): in bf16 a near-tie between two experts can
+    # route a token differently from the float32 reference, which no layout is to blame for.
+    features = ("bf16",) if model is None else ()
+    features += ("sp",) if parsed.tp > 1 else ()
     errors = check(
         [parsed],
         modes=["token-mean", "group-seq-mean"],
         micro_batch_counts=[1, 3],
-        features=("bf16", "sp") if parsed.tp > 1 else ("bf16",),
+        features=features,
         model_cfg=default_moe_model() if model else None,
         timeout=300,
     )
-    record(f"invariance_{layout}_bf16", {"worst": _worst(errors[layout])})
-    assert _worst(errors[layout]) < BF16_TOLERANCE, errors[layout]
+    tolerance = BF16_TOLERANCE if "bf16" in features else TF32_TOLERANCE
+    record(f"invariance_{layout}", {"worst": _worst(errors[layout]), "tolerance": tolerance})
+    assert _worst(errors[layout]) < tolerance, errors[layout]

@@ -72,7 +72,8 @@ def server(sglang_python, hf_dir, tmp_path_factory):
     second_gpu = "--base-gpu-id 1" if torch.cuda.device_count() > 1 else ""
     command = (
         f"{sglang_python} -m sglang.launch_server --model-path {{model}} --host {{host}} "
-        "--port {port} --skip-tokenizer-init --skip-server-warmup --disable-cuda-graph "
+        "--port {port} --skip-tokenizer-init --skip-server-warmup --disable-decode-cuda-graph "
+        "--disable-prefill-cuda-graph "
         f"--mem-fraction-static 0.3 --dtype bfloat16 {second_gpu}"
     )
     start = time.perf_counter()
