@@ -22,7 +22,8 @@ BENCH_S=470
 if [ -z "${PYTHON:-}" ]; then
   if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
     limit=$SETUP_WARM_S
-    if bash scripts/setup_gpu_env.sh --dry-run | grep -q "would install"; then
+    plan=$(bash scripts/setup_gpu_env.sh --dry-run)
+    if [[ $plan == *"would install"* ]]; then
       limit=$SETUP_COLD_S
       echo "gpu.sh: the set-up is not cached: installing it first (up to ${SETUP_COLD_S} s)"
     fi

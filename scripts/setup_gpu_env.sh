@@ -38,10 +38,10 @@ fail() {
   echo "setup_gpu_env: FAILED: $*" >&2
   exit 1
 }
-stamp_of() { # step name, inputs... -> the checksum a finished step leaves
-  local name=$1
-  shift
-  { echo "$SELF $name $*"; for f in "$@"; do [ -f "$f" ] && cat "$f"; done; } | sha256sum | cut -d' ' -f1
+stamp_of() { # step name -> the checksum a finished step leaves: this script, the step's
+  # KEY (the specs it installs) and the contents of its INPUTS (files)
+  { echo "$SELF $1 $KEY"; for f in "${INPUTS[@]}"; do [ -f "$f" ] && cat "$f"; done; } |
+    sha256sum | cut -d' ' -f1
 }
 done_already() { [ -f "$1/.stamp-$2" ] && [ "$(cat "$1/.stamp-$2")" = "$3" ]; }
 mark() { echo "$3" >"$1/.stamp-$2"; }
@@ -50,7 +50,7 @@ step() { # venv, step name, description, command...; runs the command unless sta
   local venv=$1 name=$2 what=$3
   shift 3
   local want
-  want=$(stamp_of "$name" "${INPUTS[@]}")
+  want=$(stamp_of "$name")
   if done_already "$venv" "$name" "$want"; then
     say "$name: cached ($what)"
     return 0
@@ -89,17 +89,17 @@ PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
 SGL_PIP=("$SGL_VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
 
 # 1. torch, a CUDA build
-INPUTS=()
+KEY=$TORCH_SPEC INPUTS=()
 step "$VENV" torch "$TORCH_SPEC (CUDA build; with pip, setuptools, wheel, ninja, pybind11)" \
   bash -c "$(printf '%q ' "${PIP[@]}") --upgrade pip setuptools wheel ninja pybind11 && $(printf '%q ' "${PIP[@]}") $TORCH_SPEC"
 
 # 2. this package and its test extra (megatron-core, transformers, pytest, ...)
-INPUTS=(pyproject.toml setup.py requirements.txt requirements-test.txt)
+KEY=$TORCH_SPEC INPUTS=(pyproject.toml setup.py requirements.txt requirements-test.txt)
 step "$VENV" project "this package, editable, with requirements.txt and requirements-test.txt" \
   "${PIP[@]}" -e ".[test]"
 
 # 3. Transformer Engine, its core for torch's CUDA major, the extension built from source
-INPUTS=(requirements-gpu.txt)
+KEY=$TORCH_SPEC INPUTS=(requirements-gpu.txt) # built against that torch: rebuilt with it
 te_install() {
   local cuda major arch
   cuda=$("$VENV/bin/python" -c "import torch; print(torch.version.cuda or '')")
@@ -119,7 +119,7 @@ step "$VENV" transformer_engine "$(grep -v '^#' requirements-gpu.txt) + the core
 (extension built with nvcc for this GPU's arch)" te_install
 
 # 4. SGLang in its own environment
-INPUTS=()
+KEY=$SGLANG_SPEC INPUTS=()
 step "$SGL_VENV" sglang "$SGLANG_SPEC with its dependencies (its torch: 2.14.1)" \
   "${SGL_PIP[@]}" "$SGLANG_SPEC"
 

@@ -37,9 +37,9 @@ case "${1:-}" in
 esac
 
 warm() { # every set-up step stamped: the environments exist and are current
-  [ -f "$VENV/.stamp-torch" ] && [ -f "$VENV/.stamp-project" ] &&
-    [ -f "$VENV/.stamp-transformer_engine" ] && [ -f "$SGL_VENV/.stamp-sglang" ] &&
-    ! bash scripts/setup_gpu_env.sh --dry-run | grep -q "would install"
+  local plan
+  plan=$(bash scripts/setup_gpu_env.sh --dry-run)
+  [[ $plan != *"would install"* ]]
 }
 
 if [ "$mode" = dry ]; then
