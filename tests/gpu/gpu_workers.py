@@ -213,7 +213,14 @@ def sglang_scenario(
     import time
 
     from megatron_grpo.commands.convert.hf_to_megatron import resolve_hf_model
-    from megatron_grpo.config import ParallelDims, RolloutConfig
+    from megatron_grpo.config import (
+        EngineClientConfig,
+        EnginesConfig,
+        ParallelDims,
+        RolloutConfig,
+        SamplingConfig,
+        WeightSyncConfig,
+    )
     from megatron_grpo.convert.hf_files import HFCheckpoint, MegatronView
     from megatron_grpo.mcore.full_state import load_full_state
     from megatron_grpo.mcore.hf_export import stage_hf_layers
@@ -233,15 +240,13 @@ def sglang_scenario(
 
     def rollout_cfg(method: str) -> RolloutConfig:
         return RolloutConfig(
-            engine="sglang",
-            urls=[url],
+            engines=EnginesConfig(type="sglang", urls=[url]),
             prompts_per_step=len(prompts),
             samples_per_prompt=2,
             max_new_tokens=max_new_tokens,
-            temperature=1.0,
-            sync_method=method,  # type: ignore[arg-type]
-            sync_bucket_mb=64,  # several buckets
-            weight_update_timeout_s=120.0,
+            sampling=SamplingConfig(temperature=1.0),
+            client=EngineClientConfig(weight_update_timeout_s=120.0),
+            sync=WeightSyncConfig(method=method, bucket_mb=64),  # type: ignore[arg-type]
         )
 
     result: dict[str, Any] = {"bytes": nbytes, "phases": {}, "pushes": {}}
