@@ -4,10 +4,19 @@ A random Qwen3-shaped model saved with transformers, ``python -m
 sglang.launch_server`` on it, generation through the trainer's
 ``SGLangClient``, then the weights of a megatron learner holding the same model
 pushed to the server as the trainer pushes them (``train.weight_push.WeightPush``).
+
+Each figure has a reference measured in the same run, interleaved with it:
+- generation: the same prompts and sampling as ONE batched ``/generate`` request sent
+  straight to the server (SGLang's own throughput, without the trainer's client): the
+  ratio client / direct says what the client costs;
+- weight push: every HF tensor of the model in ONE ``/update_weights_from_tensor`` request
+  (CUDA IPC on a GPU), made from tensors already gathered and named: the ratio push / one
+  request says what the trainer's streaming (a layer at a time, bucketed) costs.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -59,7 +68,6 @@ def sglang_importable(python: str) -> tuple[bool, str]:
 
 
 def part_sglang(args, *, startup_timeout_s: float) -> dict[str, Any]:
-    import asyncio
     import shutil
 
     import torch
@@ -143,14 +151,19 @@ def _prompts(num_prompts: int) -> tuple[tuple[int, ...], ...]:
 
 
 async def _generate(urls, args) -> dict[str, Any]:
+    """tokens/s through the trainer's client and in one direct batched request, interleaved
+    (each side's first run is a warm-up)."""
+    from _common import Ratio
+
     from megatron_grpo.rollout.types import RolloutRequest, SamplingParams
 
     num_prompts, n = (2, 2) if args.tiny else (64, 8)
     new_tokens = 8 if args.tiny else 512
     prompts = _prompts(num_prompts)
-    runs = []
+    runs: list[float] = []
+    direct: list[float] = []
     async with _client(urls) as client:
-        for rep in range(3):  # the first is a warm-up
+        for rep in range(3):
             request = RolloutRequest(
                 prompts=prompts,
                 num_samples=n,
@@ -161,13 +174,53 @@ async def _generate(urls, args) -> dict[str, Any]:
             t0 = time.perf_counter()
             samples = await client.generate(request)
             elapsed = time.perf_counter() - t0
+            tokens, seconds = await asyncio.to_thread(
+                _direct_batch, urls[0], prompts, n, new_tokens
+            )
             if rep:
                 runs.append(sum(len(s.output_ids) for s in samples) / elapsed)
-    return {"prompts": num_prompts, "n": n, "new_tokens": new_tokens, "tokens_per_s": runs}
+                direct.append(tokens / seconds)
+    return {
+        "prompts": num_prompts,
+        "n": n,
+        "new_tokens": new_tokens,
+        "tokens_per_s": runs,
+        "direct_tokens_per_s": direct,
+        "client/direct": Ratio.of(
+            "client/direct [tokens/s]", [a / b for a, b in zip(runs, direct)]
+        ),
+    }
+
+
+def _direct_batch(url: str, prompts, n: int, new_tokens: int) -> tuple[int, float]:
+    """One ``/generate`` of every prompt n times, straight to the server: (tokens, seconds)."""
+    import json
+    import urllib.request
+
+    body = {
+        "input_ids": [list(p) for p in prompts for _ in range(n)],
+        "sampling_params": {"max_new_tokens": new_tokens, "temperature": 1.0, "ignore_eos": True},
+        "return_logprob": True,
+    }
+    request = urllib.request.Request(
+        url + "/generate",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    t0 = time.perf_counter()
+    with urllib.request.urlopen(request, timeout=600) as response:
+        answers = json.loads(response.read())
+    seconds = time.perf_counter() - t0
+    return sum(int(a["meta_info"]["completion_tokens"]) for a in answers), seconds
 
 
 def _sync(urls, learner) -> dict[str, Any]:
-    """Three pushes as the trainer makes them (``WeightPush``, ``rollout.sync.method=tensor``)."""
+    """Three pushes as the trainer makes them (``WeightPush``, ``rollout.sync.method=tensor``),
+    each followed by the one-request reference push of the same weights."""
+    import torch
+    from _common import Ratio
+
     from megatron_grpo.config import EnginesConfig, RolloutConfig
     from megatron_grpo.mcore.hf_export import stage_hf_layers
     from megatron_grpo.rollout.runtime import RolloutRuntime
@@ -178,15 +231,16 @@ def _sync(urls, learner) -> dict[str, Any]:
     rollout = RolloutConfig(engines=EnginesConfig(type="sglang", urls=list(urls)))
     runtime = RolloutRuntime(rollout, model_cfg=cfg)
     push = WeightPush(cfg, rollout, ctx, main_sender=runtime.sender)
-    nbytes = sum(
-        t.numel() * t.element_size() for u in stage_hf_layers(model, cfg, ctx) for t in u.values()
-    )
-    pushes = []
+    named = {k: t for u in stage_hf_layers(model, cfg, ctx) for k, t in u.items()}
+    nbytes = sum(t.numel() * t.element_size() for t in named.values())
+    pushes, one_request = [], []
     try:
         for version in range(1, 4):
             t0 = time.perf_counter()
             push(model, str(version), runtime)
+            _synchronize()
             pushes.append({"push_s": time.perf_counter() - t0, "bytes": nbytes})
+            one_request.append(asyncio.run(_one_request_push(urls[0], named, f"{version}-ref")))
         request = RolloutRequest(
             prompts=_prompts(1),
             sampling=SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True),
@@ -194,10 +248,48 @@ def _sync(urls, learner) -> dict[str, Any]:
         check = runtime.io.run(runtime.client.generate(request))
     finally:
         runtime.close()
+    way = "CUDA IPC" if torch.cuda.is_available() else "shared memory"
     return {
-        "method": "tensor (SGLang's format, shared memory), streamed a layer at a time",
+        "method": f"tensor (SGLang's format, {way}), streamed a layer at a time in buckets",
         "runs": pushes,
         "gb_per_s": [p["bytes"] / p["push_s"] / 1e9 for p in pushes],
+        "one_request_s": one_request,
+        "push/one_request": Ratio.of(
+            "push/one_request [s]", [p["push_s"] / r for p, r in zip(pushes, one_request)]
+        ),
         "weight_version_after": check[0].weight_version,
-        "distributed": "not measured: NCCL refuses two ranks on one GPU",
+        "distributed": "not measured: on one GPU NCCL refuses the server and the learner as "
+        "two ranks of one device (tests/gpu/test_gpu_sglang.py records the error)",
     }
+
+
+def _synchronize() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+async def _one_request_push(url: str, named, version: str) -> float:
+    """Seconds to hand SGLang every tensor of ``named`` in one request, copies included, inside
+    the same pause / begin / end / continue as a push."""
+    import torch
+
+    from megatron_grpo.rollout.sglang_weights import (
+        cuda_copies,
+        sglang_tensor_payload,
+        shared_copies,
+    )
+
+    async with _client([url]) as client:
+        t0 = time.perf_counter()
+        await client.pause_generation()
+        await client.flush_cache()
+        await client.begin_weight_update()
+        copies = cuda_copies(named) if torch.cuda.is_available() else shared_copies(named)
+        payload = sglang_tensor_payload(copies, tp_size=1, weight_version=version)
+        await client.update_weights_from_tensor(payload, url=url)
+        await client.end_weight_update()
+        await client.continue_generation()
+        _synchronize()
+        return time.perf_counter() - t0

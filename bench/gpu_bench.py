@@ -29,10 +29,14 @@ dense FLOP/s from the device name (H100 SXM and H200: 989 TFLOP/s) or
 transformers, ``python -m sglang.launch_server`` on it (``SGLANG_PYTHON``, by
 default this interpreter; "sglang not installed" when it cannot import
 sglang), generation through the trainer's ``SGLangClient`` (n samples per
-prompt, fixed length), then the weights of a megatron learner holding the
-same model pushed with ``weight_sync.push(method="tensor")`` in SGLang's own
-format (shared memory: the server is on this machine). The ``distributed``
-method is not measured here: NCCL refuses two ranks on one GPU.
+prompt, fixed length) against one direct batched ``/generate`` of the same work,
+then the weights of a megatron learner holding the same model pushed as the
+trainer pushes them (``WeightPush``, ``tensor``: CUDA IPC with a GPU, shared
+memory without) against one request holding every tensor (``_gpu_sglang``). The
+``distributed`` method is not measured here: NCCL refuses two ranks on one GPU.
+
+The JSON carries the date and the device; ``bench/gpu_report.py`` writes it into
+docs/benchmarks.md (bench/gpu.sh calls it).
 """
 
 from __future__ import annotations
@@ -52,8 +56,9 @@ from typing import Any
 from _common import BENCH_DIR, Ratio, interleaved, machine, parser, ratios, seconds, tiny_model
 from _gpu_sglang import part_sglang
 
-PART_TIMEOUT_S = {"mfu": 210.0, "sglang": 230.0}
-"""Per-part limits; with start-up they keep the whole run under 8 minutes (gpu.sh: 470 s)."""
+PART_TIMEOUT_S = {"mfu": 200.0, "sglang": 250.0}
+"""Per-part limits: 450 s, under gpu.sh's 470 s for this script, which with the set-up
+(cached: 90 s) and the report keeps bench/gpu.sh within 600 s on one H100/H200."""
 PEAK_BF16_TFLOPS = (
     ("H200", 989.0),
     ("H100 PCIe", 756.0),
@@ -350,6 +355,8 @@ def main() -> int:
     result: dict[str, Any] = {
         "bench": "gpu",
         "gpu": torch.cuda.is_available(),
+        "date": time.strftime("%Y-%m-%d"),
+        "environment": environment(),
         "machine": machine(),
     }
     with tempfile.TemporaryDirectory(prefix="mgrpo_gpu_bench_") as tmp:
@@ -362,6 +369,30 @@ def main() -> int:
     return 0
 
 
+def environment() -> dict[str, Any]:
+    """The device and versions the figures come from (the report's header)."""
+    import torch
+
+    env: dict[str, Any] = {"torch": torch.__version__}
+    if torch.cuda.is_available():
+        env |= {
+            "device": torch.cuda.get_device_name(0),
+            "gpus": torch.cuda.device_count(),
+            "nccl": ".".join(str(v) for v in torch.cuda.nccl.version()),
+        }
+    try:
+        import transformer_engine
+
+        env["transformer_engine"] = transformer_engine.__version__
+    except ImportError:
+        env["transformer_engine"] = None
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=BENCH_DIR
+    )
+    env["commit"] = commit.stdout.strip() or None
+    return env
+
+
 def _headline(name: str, part: dict[str, Any]) -> dict[str, Any]:
     if "error" in part:
         return {name: part["error"]}
@@ -372,7 +403,9 @@ def _headline(name: str, part: dict[str, Any]) -> dict[str, Any]:
         return {name: part["sglang"]}
     return {
         "generation_tokens_per_s": part["generation"]["tokens_per_s"],
+        "client/direct": part["generation"]["client/direct"]["median"],
         "weight_sync_gb_per_s": part["weight_sync"]["gb_per_s"],
+        "push/one_request": part["weight_sync"]["push/one_request"]["median"],
     }
 
 

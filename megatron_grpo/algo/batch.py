@@ -13,6 +13,14 @@ itself; RoPE depends only on relative positions, so a packed sample's logits
 equal its unpacked ones. ``seg`` [B, S] maps every position to the index of
 its sample in the micro-batch (-1 on padding); per-sample values (group ids,
 loss weights) live in vectors indexed by it.
+
+Transformer Engine's attention takes no dense mask (its causal attention ignores one):
+there, packed samples go in its THD format instead (``collate_thd``): one row, each
+sample padded to a multiple of the context-parallel (and sequence-parallel) split, its
+boundaries in ``cu_seqlens``. Context parallelism then gives each CP rank its share of
+every sample (``context_parallel_shard``): of 2 cp equal chunks, chunks r and 2 cp - 1 - r,
+Transformer Engine's load-balanced layout for causal attention. Targets are shifted before
+the split, so every position keeps the token it predicts.
 """
 
 from __future__ import annotations
@@ -238,6 +246,11 @@ class MicroBatch:
     """[B, S] log-probs of the reference model (the KL term)."""
     loss_weights: Tensor | None = None
     """[n] w_i of each sample under the loss mode, from the global counts."""
+    cu_seqlens: Tensor | None = None
+    """[m + 1] int32 boundaries of the padded sequences of a THD micro-batch (``collate_thd``):
+    whole sequences, before any context-parallel split; None otherwise."""
+    max_seqlen: int = 0
+    """The longest padded sequence of a THD micro-batch (``cu_seqlens``)."""
 
     @property
     def num_samples(self) -> int:
@@ -261,6 +274,7 @@ class MicroBatch:
             rollout_logprobs=move(self.rollout_logprobs),
             old_logprobs=move(self.old_logprobs),
             ref_logprobs=move(self.ref_logprobs),
+            cu_seqlens=move(self.cu_seqlens),
         )
 
 
@@ -284,10 +298,55 @@ def collate(
     """
     rows = list(rows) or [[]]
     samples = [s for row in rows for s in row]
-    lengths = [len(s) for s in samples]
     longest = max(max(sum(len(s) for s in row) for row in rows), shape[1], 1)
     length = -(-longest // pad_to_multiple) * pad_to_multiple
     B = max(len(rows), shape[0])
+    mb = _assemble(samples, _starts(rows, length), (B, length), num_groups, group_index)
+    if any(len(row) > 1 for row in rows):
+        mb.attention_mask = packed_attention_mask(mb.seg)
+    return mb
+
+
+def collate_thd(
+    samples: Sequence[Sample],
+    *,
+    num_groups: int,
+    pad_to_multiple: int = 1,
+    min_length: int = 0,
+    group_index: Mapping[int, int] | None = None,
+) -> MicroBatch:
+    """Samples end to end in one row, in Transformer Engine's packed (THD) format.
+
+    Each sample is padded at its end to a multiple of ``pad_to_multiple`` (2 cp, times TP
+    under sequence parallelism), which under causal attention changes nothing before the
+    padding; ``cu_seqlens`` holds the padded boundaries. A row shorter than ``min_length``
+    (one shape for every micro-batch of an interleaved pipeline) ends with a sequence of
+    padding, as does a micro-batch without samples (an idle one).
+    """
+    samples = list(samples)
+    padded = [-(-len(s) // pad_to_multiple) * pad_to_multiple for s in samples]
+    total = sum(padded)
+    if total < max(min_length, 1):
+        filler = max(min_length - total, 1)
+        padded.append(-(-filler // pad_to_multiple) * pad_to_multiple)
+    bounds = [0]
+    for n in padded:
+        bounds.append(bounds[-1] + n)
+    mb = _assemble(samples, bounds[: len(samples)], (1, bounds[-1]), num_groups, group_index)
+    mb.cu_seqlens = torch.tensor(bounds, dtype=torch.int32)
+    mb.max_seqlen = max(padded)
+    return mb
+
+
+def _assemble(
+    samples: list[Sample],
+    starts: list[int],
+    shape: tuple[int, int],
+    num_groups: int,
+    group_index: Mapping[int, int] | None,
+) -> MicroBatch:
+    """A [B, S] micro-batch with each sample written from its start in the flat buffers."""
+    B, length = shape
     with_rollout = all(s.rollout_logprobs is not None for s in samples)
     out = {
         "tokens": torch.zeros(B * length, dtype=torch.long),
@@ -300,15 +359,18 @@ def collate(
     }
     seq_tokens = torch.zeros(len(samples))
     if samples:
-        seq_tokens = _place(out, samples, lengths, _starts(rows, length), with_rollout)
+        lengths = [len(s) for s in samples]
+        seq_tokens = _place(out, samples, lengths, starts, with_rollout)
+    view = {k: v.view(B, length) for k, v in out.items()}
     return MicroBatch(
-        **{k: v.view(B, length) for k, v in out.items() if k != "rollout_logprobs"},
-        attention_mask=(
-            packed_attention_mask(out["seg"].view(B, length))
-            if any(len(row) > 1 for row in rows)
-            else None
-        ),
-        rollout_logprobs=out["rollout_logprobs"].view(B, length) if with_rollout else None,
+        tokens=view["tokens"],
+        targets=view["targets"],
+        position_ids=view["position_ids"],
+        loss_mask=view["loss_mask"],
+        advantages=view["advantages"],
+        seg=view["seg"],
+        attention_mask=None,
+        rollout_logprobs=view["rollout_logprobs"] if with_rollout else None,
         group_ids=torch.tensor(
             [s.group if group_index is None else group_index[s.group] for s in samples],
             dtype=torch.long,
@@ -316,6 +378,58 @@ def collate(
         sample_ids=torch.tensor([s.sample_id for s in samples], dtype=torch.long),
         seq_tokens=seq_tokens,
         num_groups=num_groups,
+    )
+
+
+def context_parallel_indices(cu_seqlens: Tensor, cp_size: int, cp_rank: int) -> Tensor:
+    """The positions of a THD row that CP rank ``cp_rank`` holds: of each sequence, cut in
+    2 cp equal chunks, chunk ``cp_rank`` then chunk ``2 cp - 1 - cp_rank``."""
+    cu = cu_seqlens.to(torch.long)
+    lengths = cu[1:] - cu[:-1]
+    if bool((lengths % (2 * cp_size)).any()):
+        raise ValueError(
+            f"context parallelism over {cp_size} ranks needs every sequence of a THD micro-batch "
+            f"padded to a multiple of {2 * cp_size}, got lengths {lengths.tolist()}"
+        )
+    chunk = lengths // (2 * cp_size)
+    firsts = torch.stack(
+        [cu[:-1] + cp_rank * chunk, cu[:-1] + (2 * cp_size - 1 - cp_rank) * chunk], dim=1
+    ).reshape(-1)
+    sizes = chunk.repeat_interleave(2)
+    offsets = torch.arange(int(sizes.sum())) - torch.repeat_interleave(
+        torch.cumsum(sizes, 0) - sizes, sizes
+    )
+    return torch.repeat_interleave(firsts, sizes) + offsets
+
+
+def context_parallel_shard(mb: MicroBatch, cp_size: int, cp_rank: int) -> MicroBatch:
+    """CP rank ``cp_rank``'s share of the THD micro-batch ``mb`` (``context_parallel_indices``).
+
+    Per-position tensors keep this rank's positions; ``cu_seqlens`` and ``max_seqlen`` still
+    describe whole sequences (what Transformer Engine's attention and megatron-core's RoPE
+    expect), and ``seq_tokens`` still counts each sequence's loss tokens over all CP ranks
+    (the loss weights need n_i; ``set_loss_weights`` counts them on one CP rank only).
+    """
+    if mb.cu_seqlens is None:
+        raise ValueError("context parallelism needs a THD micro-batch (collate_thd)")
+    if cp_size == 1:
+        return mb
+    index = context_parallel_indices(mb.cu_seqlens, cp_size, cp_rank).to(mb.tokens.device)
+
+    def take(t: Tensor | None) -> Tensor | None:
+        return None if t is None else t[:, index]
+
+    return dataclasses.replace(
+        mb,
+        tokens=mb.tokens[:, index],
+        position_ids=mb.position_ids[:, index],
+        targets=mb.targets[:, index],
+        loss_mask=mb.loss_mask[:, index],
+        advantages=mb.advantages[:, index],
+        seg=mb.seg[:, index],
+        rollout_logprobs=take(mb.rollout_logprobs),
+        old_logprobs=take(mb.old_logprobs),
+        ref_logprobs=take(mb.ref_logprobs),
     )
 
 

@@ -80,10 +80,18 @@ def grpo_loss(
     cfg: LossConfig,
     tp_group: dist.ProcessGroup | None,
     vocab_size: int,
+    cp_group: dist.ProcessGroup | None = None,
 ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
-    """Loss of one micro-batch for megatron-core's schedule: (loss, num_tokens, metric sums)."""
+    """Loss of one micro-batch for megatron-core's schedule: (loss, num_tokens, metric sums).
+
+    Under context parallelism (``cp_group`` of more than one rank) this rank holds part of
+    each sequence: its loss is its tokens' share of the sum, and the sequence-level ratio
+    and importance weights, which need whole sequences, sum their per-sequence terms over
+    the CP group (one all-reduce each, no gradient through it).
+    """
     mask, seg = batch.loss_mask, batch.seg
     num_seqs = batch.num_samples
+    sequence_sum = _group_sum(cp_group)
     logp, entropy = vocab_parallel_logprobs(
         logits,
         batch.targets,
@@ -102,7 +110,7 @@ def grpo_loss(
         old_logp = batch.rollout_logprobs
     log_ratio = logp - old_logp
     if cfg.ratio_level == "sequence":
-        log_ratio = policy_loss.gspo_log_ratio(log_ratio, mask, seg, num_seqs)
+        log_ratio = policy_loss.gspo_log_ratio(log_ratio, mask, seg, num_seqs, sequence_sum)
     per_token, clipped = policy_loss.ppo_clip_loss(
         log_ratio,
         batch.advantages,
@@ -126,6 +134,7 @@ def grpo_loss(
                 mode=cfg.tis_mode,
                 upper=cfg.tis_upper,
                 lower=cfg.tis_lower,
+                sequence_sum=sequence_sum,
             )
             per_token = per_token * is_weights
     kl = zeros
@@ -150,3 +159,16 @@ def grpo_loss(
             "is_rejected": rejected.sum(),
         }
     return loss, num_tokens.to(torch.int), metrics
+
+
+def _group_sum(group: dist.ProcessGroup | None) -> policy_loss.SequenceSum | None:
+    """Sum over ``group`` (a copy, without gradient); None for no group or one rank."""
+    if group is None or dist.get_world_size(group) == 1:
+        return None
+
+    def total(values: Tensor) -> Tensor:
+        out = values.detach().clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    return total

@@ -13,10 +13,16 @@ reference model's. A ``mask`` is 1.0 on loss tokens and 0.0 elsewhere.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import torch
 from torch import Tensor
+
+SequenceSum = Callable[[Tensor], Tensor]
+"""Completes per-sequence sums [k, n] whose terms are spread over ranks: under context
+parallelism each CP rank holds part of every sequence, and this sums over the CP group
+(``algo.loss``); None when every rank holds whole sequences."""
 
 
 def ppo_clip_loss(
@@ -63,7 +69,13 @@ def token_values(per_seq: Tensor, seg: Tensor) -> Tensor:
     return torch.where(seg >= 0, out, torch.zeros_like(out))
 
 
-def gspo_log_ratio(log_ratio: Tensor, mask: Tensor, seg: Tensor, num_seqs: int) -> Tensor:
+def gspo_log_ratio(
+    log_ratio: Tensor,
+    mask: Tensor,
+    seg: Tensor,
+    num_seqs: int,
+    sequence_sum: SequenceSum | None = None,
+) -> Tensor:
     """GSPO's sequence-level log-ratio, broadcast to tokens with a per-token gradient.
 
     s_i = mean over sample i's loss tokens of (logp - old_logp); every token
@@ -71,9 +83,12 @@ def gspo_log_ratio(log_ratio: Tensor, mask: Tensor, seg: Tensor, num_seqs: int) 
     token's logp as in GSPO-token: sg(s_i) + log_ratio_t - sg(log_ratio_t).
     Samples without loss tokens get 0.
     """
-    total = segment_sum(log_ratio * mask, seg, num_seqs)
-    count = segment_sum(mask, seg, num_seqs)
-    seq = (total / count.clamp(min=1)).detach()
+    sums = torch.stack(
+        [segment_sum((log_ratio * mask).detach(), seg, num_seqs), segment_sum(mask, seg, num_seqs)]
+    )
+    if sequence_sum is not None:
+        sums = sequence_sum(sums)
+    seq = sums[0] / sums[1].clamp(min=1)
     per_token = token_values(seq, seg)
     return per_token + log_ratio - log_ratio.detach()
 
@@ -102,6 +117,7 @@ def importance_weights(
     mode: Literal["truncate", "mask"],
     upper: float,
     lower: float | None = None,
+    sequence_sum: SequenceSum | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Truncated importance weights pi_old / pi_rollout correcting the engine mismatch.
 
@@ -118,6 +134,8 @@ def importance_weights(
     log_w = (old_logp - rollout_logp).detach() * mask
     if level == "sequence":
         per_seq = segment_sum(log_w, seg, num_seqs)
+        if sequence_sum is not None:
+            per_seq = sequence_sum(per_seq[None])[0]
         log_w = token_values(per_seq, seg)
     elif level != "token":
         raise ValueError(f"unknown importance-sampling level {level!r}")

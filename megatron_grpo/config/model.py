@@ -154,11 +154,17 @@ class ModelConfig:
 def check_moe_layout(
     model: ModelConfig, dims: ParallelDims, recompute_granularity: str | None
 ) -> None:
-    """Raise a ValueError for what a MoE model cannot train with: TP without sequence
-    parallelism (megatron-core's MoE layer refuses it) and the routers' balance loss with
-    full recomputation (the recomputed routers would run outside their micro-batch)."""
+    """Raise a ValueError for what a MoE model cannot train with: context parallelism, TP
+    without sequence parallelism (megatron-core's MoE layer refuses it) and the routers'
+    balance loss with full recomputation (the recomputed routers would run outside their
+    micro-batch)."""
     if not model.is_moe:
         return
+    if dims.cp > 1:
+        raise ValueError(
+            f"a mixture-of-experts model at parallel.cp={dims.cp} is not supported: the routers' "
+            "balance loss counts each sequence's tokens on one rank (mcore.router_balance)"
+        )
     if dims.tp > 1 and not dims.uses_sequence_parallel:
         raise ValueError(
             f"a mixture-of-experts model at TP={dims.tp} needs parallel.sequence_parallel=true "
@@ -188,7 +194,9 @@ class ParallelDims:
     pp: int = 1
     """Pipeline-parallel size."""
     cp: int = 1
-    """Context-parallel size; only 1 (sequences are not split over CP ranks)."""
+    """Context-parallel size: each sequence is split over ``cp`` ranks (2 cp chunks, rank r
+    holding chunks r and 2 cp - 1 - r, in Transformer Engine's packed THD format). Needs
+    Transformer Engine's attention, so a GPU; not with ``vpp`` or a mixture of experts."""
     vpp: int | None = None
     """Virtual pipeline stages per rank (interleaved 1F1B), or None. The planner then makes
     each rank's micro-batch count a multiple of ``pp``, as the interleaved schedule needs."""
@@ -204,11 +212,11 @@ class ParallelDims:
         for name in ("tp", "pp", "cp", "ep"):
             if getattr(self, name) < 1:
                 raise ValueError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
-        if self.cp > 1:
+        if self.cp > 1 and self.vpp is not None:
             raise ValueError(
-                f"parallel.cp={self.cp}: context parallelism is not supported (sequences are "
-                "not split over CP ranks, and it needs Transformer Engine attention); use "
-                "parallel.cp=1"
+                f"parallel.cp={self.cp} with parallel.vpp={self.vpp} is not supported: the "
+                "interleaved schedule needs every micro-batch in one shape, and context-parallel "
+                "micro-batches are packed sequences of varying length"
             )
         if self.vpp is not None and (self.vpp < 2 or self.pp < 2):
             raise ValueError(

@@ -1,6 +1,11 @@
 """Layer specs: Transformer Engine's modules on a CUDA machine, megatron-core's local ones
 (pure PyTorch) elsewhere.
 
+``LayerSpec`` says which: "auto" (the trainer's choice: Transformer Engine when it is
+importable on a CUDA machine), or "local" / "transformer_engine" forced, as the GPU tier's
+comparison of the two specs needs. Context parallelism needs Transformer Engine's attention
+(megatron-core's local attention refuses it), so ``check_spec`` refuses CP > 1 without it.
+
 The local spec's norm (megatron-core's ``WrappedTorchNorm``) refuses sequence
 parallelism. ``RMSNorm`` here is torch's RMSNorm with what sequence parallelism
 needs: under it each TP rank normalizes its own slice of the sequence, so the
@@ -11,9 +16,13 @@ Engine's norm is marked the same way).
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 
 from megatron_grpo.config import ModelConfig
+
+LayerSpec = Literal["auto", "local", "transformer_engine"]
 
 
 def have_transformer_engine() -> bool:
@@ -22,6 +31,48 @@ def have_transformer_engine() -> bool:
     except ImportError:
         return False
     return torch.cuda.is_available()
+
+
+def uses_transformer_engine(spec: LayerSpec = "auto") -> bool:
+    """Whether ``spec`` builds Transformer Engine's layers here; a forced
+    "transformer_engine" without it raises a ValueError naming what is missing."""
+    if spec == "local":
+        return False
+    if spec == "auto":
+        return have_transformer_engine()
+    if spec != "transformer_engine":
+        raise ValueError(f"unknown layer spec {spec!r}; expected auto, local or transformer_engine")
+    if not have_transformer_engine():
+        raise ValueError(
+            "the Transformer Engine layer spec needs a CUDA GPU and transformer-engine installed "
+            f"(torch.cuda.is_available() is {torch.cuda.is_available()})"
+        )
+    return True
+
+
+THD_DTYPES = ("bfloat16", "float16")
+"""What Transformer Engine's attention takes packed (THD) sequences and context parallelism
+in: only its fused and flash backends do either, and they take 16-bit inputs; its unfused
+backend, the float32 fallback, takes neither."""
+
+
+def check_spec(spec: LayerSpec, context_parallel_size: int, params_dtype: str = "bfloat16") -> None:
+    """Raise a ValueError for a layout the layer spec cannot build: context parallelism runs
+    only in Transformer Engine's attention (TEDotProductAttention), in 16-bit."""
+    if context_parallel_size > 1 and params_dtype not in THD_DTYPES:
+        raise ValueError(
+            f"parallel.cp={context_parallel_size} needs model.params_dtype=bfloat16: Transformer "
+            "Engine splits attention over CP ranks only in its fused and flash backends, which "
+            f"take 16-bit inputs (got {params_dtype})"
+        )
+    if context_parallel_size > 1 and not uses_transformer_engine(spec):
+        raise ValueError(
+            f"parallel.cp={context_parallel_size} needs Transformer Engine's attention "
+            "(TEDotProductAttention): a CUDA GPU with transformer-engine installed; "
+            "megatron-core's local attention refuses context parallelism "
+            f"(torch.cuda.is_available() is "
+            f"{torch.cuda.is_available()})"
+        )
 
 
 class RMSNorm(torch.nn.RMSNorm):
@@ -53,7 +104,9 @@ def local_layer_spec(cfg: ModelConfig):
     return spec
 
 
-def block_spec(cfg: ModelConfig, tcfg, *, vp_stage: int | None, pp_rank: int):
+def block_spec(
+    cfg: ModelConfig, tcfg, *, vp_stage: int | None, pp_rank: int, spec: LayerSpec = "auto"
+):
     """The decoder of one pipeline chunk: its layers and its final norm."""
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_block import (
@@ -62,7 +115,7 @@ def block_spec(cfg: ModelConfig, tcfg, *, vp_stage: int | None, pp_rank: int):
         get_num_layers_to_build,
     )
 
-    if have_transformer_engine():
+    if uses_transformer_engine(spec):
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec,
         )

@@ -1,8 +1,9 @@
 """Model builder: megatron-core GPTModel for Llama / Qwen2 / Qwen3-style decoders.
 
 The local (pure PyTorch) layer spec is used when Transformer Engine is not
-importable, the Transformer Engine spec when it is. The model is wrapped in
-megatron-core DistributedDataParallel over the layout's process groups.
+importable, the Transformer Engine spec when it is (``spec`` forces either; context
+parallelism needs Transformer Engine). The model is wrapped in megatron-core
+DistributedDataParallel over the layout's process groups.
 
 Loss normalization is owned by ``megatron_grpo.algo.loss`` (``scaled_loss``):
 the model config set here leaves megatron-core's own per-micro-batch and
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 from megatron_grpo.config import ModelConfig, OptimConfig, TrainConfig
 from megatron_grpo.config.model import check_moe_layout
 from megatron_grpo.mcore.compat import FinalizeGrads, force_param_sync
-from megatron_grpo.mcore.layers import block_spec
+from megatron_grpo.mcore.layers import LayerSpec, block_spec, check_spec
 from megatron_grpo.mcore.parallel import ParallelContext
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -136,16 +137,20 @@ def build_gpt(
     *,
     train: TrainConfig | None = None,
     vp_stage: int | None = None,
+    spec: LayerSpec = "auto",
 ):
     """One GPTModel chunk (this rank's pipeline stage), not wrapped."""
     from megatron.core.models.gpt import GPTModel
 
+    check_spec(spec, ctx.dims.cp, cfg.params_dtype)
     tcfg = transformer_config(cfg, ctx, train)
     num_chunks = ctx.dims.vpp or 1
     chunk = vp_stage or 0
     return GPTModel(
         config=tcfg,
-        transformer_layer_spec=block_spec(cfg, tcfg, vp_stage=vp_stage, pp_rank=ctx.pp_rank),
+        transformer_layer_spec=block_spec(
+            cfg, tcfg, vp_stage=vp_stage, pp_rank=ctx.pp_rank, spec=spec
+        ),
         vocab_size=cfg.padded_vocab_size(ctx.dims.tp),
         max_sequence_length=cfg.max_position_embeddings,
         pre_process=ctx.is_first_stage and chunk == 0,
@@ -168,17 +173,19 @@ def build_model(
     optim: OptimConfig | None = None,
     train: TrainConfig | None = None,
     wrap_ddp: bool = True,
+    spec: LayerSpec = "auto",
 ) -> list:
     """This rank's model chunks (one per virtual stage), wrapped in megatron-core DDP.
 
     ``optim`` sets how gradients and parameters move (distributed optimizer, overlapped
     reduce and gather; plain all-reduce without it) and must be the config the optimizer is
-    built from; ``train`` sets activation recomputation.
+    built from; ``train`` sets activation recomputation; ``spec`` the layer spec ("auto":
+    Transformer Engine's when importable on a GPU).
     """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     stages = [None] if ctx.dims.vpp is None else list(range(ctx.dims.vpp))
-    chunks = [build_gpt(cfg, ctx, train=train, vp_stage=s) for s in stages]
+    chunks = [build_gpt(cfg, ctx, train=train, vp_stage=s, spec=spec) for s in stages]
     if cfg.is_moe:
         from megatron_grpo.mcore.router_balance import RouterBalance
 

@@ -50,6 +50,11 @@ class ParallelContext:
         return self.pg.pp  # type: ignore[attr-defined]
 
     @property
+    def cp_group(self) -> dist.ProcessGroup:
+        """The ranks that split each sequence between them (context parallelism)."""
+        return self.pg.cp  # type: ignore[attr-defined]
+
+    @property
     def dp_group(self) -> dist.ProcessGroup:
         return self.pg.dp  # type: ignore[attr-defined]
 
@@ -88,7 +93,10 @@ def init_parallel(
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         dims.data_parallel_size(world_size)  # fail before any collective
         if device.cuda_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            # One rank per GPU; with more ranks than GPUs NCCL itself refuses a shared device
+            # at its first collective ("Duplicate GPU detected") where its version does.
+            local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+            torch.cuda.set_device(local_rank % torch.cuda.device_count())
         dist.init_process_group(
             backend=device.distributed_backend(),
             init_method="env://" if "MASTER_ADDR" in os.environ else _single_process_init(),

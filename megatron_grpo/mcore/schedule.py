@@ -1,12 +1,13 @@
 """megatron-core's forward/backward schedule, driven with explicit process groups.
 
 ``run_schedule`` feeds a list of micro-batches through the (pipelined)
-model. Each micro-batch is a dict with at least ``tokens`` [B, S] and
-``position_ids`` [B, S]; ``loss_fn(micro_batch, logits_BSV)`` runs on the
-last pipeline stage and returns ``(loss, num_tokens, metrics)``. The loss is
-used exactly as returned: the model config sets ``calculate_per_token_loss``
-and replaces the token-count division (see ``megatron_grpo.algo.loss``), so the
-gradient is the sum over micro-batches and DP ranks of d(loss)/d(params).
+model. Each micro-batch has ``tokens`` [B, S] and ``position_ids`` [B, S] (and, in
+THD format, ``cu_seqlens``: megatron-core's ``PackedSeqParams`` for Transformer
+Engine's attention); ``loss_fn(micro_batch, logits_BSV)`` runs on the last pipeline
+stage and returns ``(loss, num_tokens, metrics)``. The loss is used exactly as
+returned: the model config sets ``calculate_per_token_loss`` and replaces the
+token-count division (see ``megatron_grpo.algo.loss``), so the gradient is the sum
+over micro-batches and DP ranks of d(loss)/d(params).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ class ModelInput(Protocol):
     tokens: torch.Tensor
     position_ids: torch.Tensor
     attention_mask: torch.Tensor | None
+    cu_seqlens: torch.Tensor | None
+    max_seqlen: int
 
 
 @dataclass
@@ -38,6 +41,9 @@ class TokenBatch:
     position_ids: torch.Tensor
     """[B, S] int64."""
     attention_mask: torch.Tensor | None = None
+    cu_seqlens: torch.Tensor | None = None
+    """[m + 1] int32 sequence boundaries of a packed (THD) row; None for plain rows."""
+    max_seqlen: int = 0
 
     @classmethod
     def of(cls, tokens: torch.Tensor) -> TokenBatch:
@@ -78,7 +84,11 @@ def run_schedule(
         length = batch.tokens.shape[1]
         if on_forward is not None:
             on_forward(batch)
-        logits = chunk(tokens, positions, mask)
+        packed = _packed_seq_params(batch)
+        if packed is None:
+            logits = chunk(tokens, positions, mask)
+        else:
+            logits = chunk(tokens, positions, mask, packed_seq_params=packed)
         return logits, lambda output: loss_fn(batch, output[:, :length])
 
     num_chunks = len(model)
@@ -102,16 +112,38 @@ def run_schedule(
 def _padded(batch: ModelInput, multiple: int):
     """(tokens, position ids, mask) with the sequence padded to ``multiple`` positions:
     sequence parallelism splits it over the TP ranks. Padding at the end changes nothing
-    before it under causal attention; a batch with its own mask must come padded."""
+    before it under causal attention; a batch with its own mask, or in THD format, must
+    come padded."""
     pad = -batch.tokens.shape[1] % multiple
     if not pad:
         return batch.tokens, batch.position_ids, batch.attention_mask
-    if batch.attention_mask is not None:
+    if batch.attention_mask is not None or batch.cu_seqlens is not None:
+        what = "an attention mask" if batch.cu_seqlens is None else "packed (THD) sequences"
         raise ValueError(
-            f"a micro-batch of {batch.tokens.shape[1]} positions with an attention mask must "
+            f"a micro-batch of {batch.tokens.shape[1]} positions with {what} must "
             f"be padded to a multiple of TP={multiple} (sequence parallelism) by its maker"
         )
     return F.pad(batch.tokens, (0, pad)), F.pad(batch.position_ids, (0, pad)), None
+
+
+def _packed_seq_params(batch: ModelInput):
+    """megatron-core's ``PackedSeqParams`` for a THD row (None otherwise): the padded
+    boundaries of whole sequences, as Transformer Engine's attention and megatron-core's
+    RoPE read them, also under context parallelism (they split each sequence themselves)."""
+    if batch.cu_seqlens is None:
+        return None
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = batch.cu_seqlens
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        cu_seqlens_q_padded=cu,
+        cu_seqlens_kv_padded=cu,
+        max_seqlen_q=batch.max_seqlen,
+        max_seqlen_kv=batch.max_seqlen,
+    )
 
 
 def zero_grads(model: list) -> None:

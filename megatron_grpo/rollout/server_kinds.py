@@ -14,15 +14,26 @@ class ServerKind(NamedTuple):
     """The embedded server, not SGLang."""
     tp_size: int
     host: str | None
+    device: str = "cpu"
+    """Where the engine holds its weights (SGLang's resolved ``device``, e.g. "cuda")."""
 
     def tensor_way(self) -> str:
-        """How ``/update_weights_from_tensor`` reaches this engine from this process."""
+        """How ``/update_weights_from_tensor`` reaches this engine from this process: SGLang
+        on a GPU by CUDA IPC handles when this process has a GPU too (the engine on this
+        machine, as for the shared-memory way), SGLang otherwise through shared memory."""
         from megatron_grpo.rollout.embedded.weights import shared_memory_available
 
         if not self.embedded:
-            return "sglang"
+            cuda_here = self.device == "cuda" and _cuda_available()
+            return "sglang_cuda" if cuda_here else "sglang"
         local = self.host == socket.gethostname() and shared_memory_available()
         return "shm" if local else "body"
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 async def server_kinds(client: Any) -> dict[str, ServerKind]:
@@ -36,6 +47,7 @@ async def server_kinds(client: Any) -> dict[str, ServerKind]:
             embedded=info.get("version") == SERVER_VERSION,
             tp_size=int(info.get("tp_size", 1)),
             host=info.get("hostname"),
+            device=str(info.get("device") or "cpu"),
         )
         for url, info in zip(client.urls, infos)
     }

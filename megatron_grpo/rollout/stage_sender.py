@@ -6,8 +6,9 @@ bucket of at most ``plan.bucket_bytes`` at a time, while the next bucket is bein
 gathered, and answers with a ``StageReport``; the main rank closes the push
 (``finish_push``). Per method:
 - ``tensor``: one ``/update_weights_from_tensor`` request per bucket and engine (the
-  embedded server's safetensors body, or SGLang's shared-memory handles, whichever
-  the engine's ``/server_info`` says it is);
+  embedded server's safetensors body, or SGLang's handles, whichever the engine's
+  ``/server_info`` says it is: CUDA IPC handles to copies on this GPU for SGLang on a GPU,
+  shared-memory ones otherwise);
 - ``disk``: one safetensors file per bucket in ``plan.disk_dir``; the main rank adds the
   index and config and calls ``/update_weights_from_disk`` once every stage has written;
 - ``distributed``: the sender is rank 0 of its own broadcast group with the engines
@@ -203,10 +204,10 @@ class StageSender:
 
     async def _tensor_method(self, client: Any, plan: SyncPlan) -> tuple[Callable, Callable]:
         """Per engine, the fastest request it takes: an embedded server on this host, the
-        bucket in shared memory; elsewhere, a safetensors body; SGLang, its shared-memory
-        handles (one pickle per TP rank)."""
+        bucket in shared memory; elsewhere, a safetensors body; SGLang, its CUDA IPC handles
+        (on a GPU) or shared-memory handles (one pickle per TP rank)."""
         kinds = await server_kinds(client)
-        by_way: dict[str, list[str]] = {"shm": [], "body": [], "sglang": []}
+        by_way: dict[str, list[str]] = {"shm": [], "body": [], "sglang": [], "sglang_cuda": []}
         for url in plan.urls:
             by_way[kinds[url].tensor_way()].append(url)
         bucket_maker = _TensorBuckets(by_way, plan.weight_version)
@@ -345,6 +346,7 @@ class _Prepared:
     shm: Any = None
     body: Any = None
     sglang: Any = None
+    sglang_cuda: Any = None
 
     def payloads(
         self, by_way: Mapping[str, list[str]], kinds: Mapping[str, ServerKind]
@@ -355,18 +357,23 @@ class _Prepared:
             yield url, self.shm.request(weight_version=self.weight_version)
         for url in by_way["body"]:
             yield url, self.body
-        for url in by_way["sglang"]:
-            yield (
-                url,
-                sglang_weights.sglang_tensor_payload(
-                    self.sglang, tp_size=kinds[url].tp_size, weight_version=self.weight_version
-                ),
-            )
+        for way in ("sglang", "sglang_cuda"):
+            for url in by_way[way]:
+                yield (
+                    url,
+                    sglang_weights.sglang_tensor_payload(
+                        getattr(self, way),
+                        tp_size=kinds[url].tp_size,
+                        weight_version=self.weight_version,
+                    ),
+                )
 
     def close(self) -> None:
         if self.shm is not None:
             self.shm.close()
-        # SGLang's shared copies go with the last reference (each server drops its own).
+        # SGLang's copies go with the last reference (each server drops its own): shared
+        # memory files then, and for CUDA IPC the GPU blocks (torch frees a block a consumer
+        # still maps once that consumer lets it go).
 
 
 class _TensorBuckets:
@@ -386,6 +393,8 @@ class _TensorBuckets:
             ready.body = tensor_update(bucket, weight_version=self.weight_version)
         if self.by_way["sglang"]:
             ready.sglang = sglang_weights.shared_copies(bucket)
+        if self.by_way["sglang_cuda"]:
+            ready.sglang_cuda = sglang_weights.cuda_copies(bucket)
         return ready
 
 

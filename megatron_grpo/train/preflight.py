@@ -5,7 +5,8 @@ the tokenizer, on the file system only (a fraction of a second, nothing heavy im
 With ``--nproc`` it then runs ``preflight`` in a short-lived process of its own before it
 starts torchrun (so that the launcher, alive for the whole run, holds none of what it
 imports), and each torchrun worker runs both again before its process group: the layout
-against the world size and the model's heads, query groups and widths, the global batch
+against the world size and the model's heads, query groups and widths, context parallelism
+against the layer spec (it needs Transformer Engine), the global batch
 against DP, the tokenizer, a usable prompt in the data files (every prompt with
 ``data.overlong_prompts=error``), the reward function, the tool loop's tools (the
 ``python`` tool's box). A failure raises ValueError (or
@@ -91,6 +92,7 @@ def check_layout(cfg: Config, world_size: int) -> int:
 
 def preflight(cfg: Config, world_size: int) -> None:
     check_layout(cfg, world_size)
+    check_packing(cfg)
     if cfg.rollout.replay_dir is not None:
         return
     from transformers import AutoTokenizer
@@ -122,6 +124,21 @@ def preflight(cfg: Config, world_size: int) -> None:
     except ValueError as e:
         raise ValueError(f"reward.{cfg.reward.type}: {e}") from None
     check_tools(cfg)
+
+
+def check_packing(cfg: Config) -> None:
+    """Context parallelism and packed sequences where Transformer Engine runs need what its
+    attention takes them in (here, not in the dry run: that plans for another machine)."""
+    from megatron_grpo.mcore.layers import THD_DTYPES, check_spec, have_transformer_engine
+
+    check_spec("auto", cfg.parallel.cp, cfg.model.params_dtype)
+    packed = cfg.train.pack_sequences and have_transformer_engine()
+    if packed and cfg.model.params_dtype not in THD_DTYPES:
+        raise ValueError(
+            "train.pack_sequences=true with Transformer Engine needs model.params_dtype=bfloat16: "
+            "packed sequences run in its fused and flash attention (THD format), which take "
+            f"16-bit inputs (got {cfg.model.params_dtype}); or leave pack_sequences unset"
+        )
 
 
 def check_tools(cfg: Config) -> None:

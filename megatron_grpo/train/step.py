@@ -25,11 +25,18 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megatron_grpo.algo.batch import MicroBatch, Sample, collate
+from megatron_grpo.algo.batch import (
+    MicroBatch,
+    Sample,
+    collate,
+    collate_thd,
+    context_parallel_shard,
+)
 from megatron_grpo.algo.logprobs import vocab_parallel_logprobs
 from megatron_grpo.algo.loss import METRIC_SUMS, grpo_loss, set_loss_weights
 from megatron_grpo.config import LossConfig
 from megatron_grpo.mcore.device import compute_device
+from megatron_grpo.mcore.layers import have_transformer_engine
 from megatron_grpo.mcore.parallel import ParallelContext
 from megatron_grpo.mcore.router_balance import router_balance
 from megatron_grpo.mcore.schedule import LossFn, run_schedule, zero_grads
@@ -60,6 +67,13 @@ def global_batches(samples: list[Sample], size: int) -> list[list[Sample]]:
     return [samples[i : i + size] for i in range(0, len(samples), size)]
 
 
+def uses_thd(settings: StepSettings, ctx: ParallelContext) -> bool:
+    """Whether micro-batches take Transformer Engine's packed THD format: always with context
+    parallelism; for packed rows when Transformer Engine's attention runs, since its causal
+    attention ignores the dense block-diagonal mask that the local spec's attention applies."""
+    return ctx.dims.cp > 1 or (settings.pack and have_transformer_engine())
+
+
 def plan_micro_batches(
     batch: list[Sample], ctx: ParallelContext, settings: StepSettings
 ) -> list[MicroBatch]:
@@ -69,7 +83,9 @@ def plan_micro_batches(
     what the loss modes count. With a virtual pipeline the count is made a multiple
     of PP and every micro-batch padded to one shape (megatron-core's interleaved
     schedule pairs activations and their gradients by shape); with sequence
-    parallelism rows are padded to a multiple of TP.
+    parallelism rows are padded to a multiple of TP. In THD format (``uses_thd``) each
+    micro-batch is one row of whole samples, each padded to a multiple of 2 CP (times TP
+    under sequence parallelism), and under context parallelism this CP rank's share of it.
     """
     groups = sorted({x.group for x in batch})
     local_group = {g: i for i, g in enumerate(groups)}
@@ -83,14 +99,16 @@ def plan_micro_batches(
     if ctx.dims.ep > 1:  # the MoE all-to-alls pair the EP ranks' forwards: equal counts
         count = max(len(_rank_plan(p, ctx, r)) for r in range(ctx.dp_size))
         rank_plan = split_to_count(rank_plan, count)
+    pad = ctx.dims.tp if ctx.dims.uses_sequence_parallel else 1
+    device = compute_device()
+    if uses_thd(settings, ctx):
+        return _thd_micro_batches(batch, rank_plan, ctx, pad, local_group)
     shape = (0, 0)
     if ctx.dims.vpp is not None:
         shape = (
             max(len(mb) for mb in rank_plan),
             max(sum(len(batch[i]) for i in row) for mb in rank_plan for row in mb),
         )
-    pad = ctx.dims.tp if ctx.dims.uses_sequence_parallel else 1
-    device = compute_device()
     return [
         collate(
             [[batch[i] for i in row] for row in mb],
@@ -98,6 +116,40 @@ def plan_micro_batches(
             pad_to_multiple=pad,
             shape=shape,
             group_index=local_group,
+        ).to(device)
+        for mb in rank_plan
+    ]
+
+
+def _thd_micro_batches(
+    batch: list[Sample],
+    rank_plan: list[list[list[int]]],
+    ctx: ParallelContext,
+    tp_pad: int,
+    local_group: dict[int, int],
+) -> list[MicroBatch]:
+    """``plan_micro_batches`` in THD format: this CP rank's share of each micro-batch."""
+    cp = ctx.dims.cp
+    multiple = (2 * cp if cp > 1 else 1) * tp_pad
+
+    def padded(i: int) -> int:
+        return -(-len(batch[i]) // multiple) * multiple
+
+    min_length = 0
+    if ctx.dims.vpp is not None:  # one shape for every micro-batch of the step
+        min_length = max(sum(padded(i) for row in mb for i in row) for mb in rank_plan)
+    device = compute_device()
+    return [
+        context_parallel_shard(
+            collate_thd(
+                [batch[i] for row in mb for i in row],
+                num_groups=len(local_group),
+                pad_to_multiple=multiple,
+                min_length=min_length,
+                group_index=local_group,
+            ),
+            cp,
+            ctx.cp_rank,
         ).to(device)
         for mb in rank_plan
     ]
@@ -235,7 +287,11 @@ def train_on_rollout(
             model, ctx, mbs, loss_cfg, settings, freeze_old=freeze_old, ref_model=ref_model
         )
     loss_fn = functools.partial(
-        grpo_loss, cfg=loss_cfg, tp_group=ctx.tp_group, vocab_size=settings.vocab_size
+        grpo_loss,
+        cfg=loss_cfg,
+        tp_group=ctx.tp_group,
+        vocab_size=settings.vocab_size,
+        cp_group=ctx.cp_group,
     )
     return [
         optimizer_step(

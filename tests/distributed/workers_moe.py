@@ -40,6 +40,8 @@ class Rows:
     seg: torch.Tensor
     num_samples: int
     attention_mask: None = None
+    cu_seqlens: None = None
+    max_seqlen: int = 0
 
     @classmethod
     def of(cls, tokens: torch.Tensor) -> Rows:

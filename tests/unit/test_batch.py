@@ -178,3 +178,79 @@ def test_a_rollout_batch_pickles_as_columns_and_comes_back_equal():
     back = pickle.loads(pickle.dumps(mixed))
     assert back.samples[1].rollout_logprobs is None
     assert torch.equal(back.samples[0].rollout_logprobs, samples[0].rollout_logprobs)
+
+
+def test_thd_row_pads_each_sample_and_records_its_boundaries():
+    from megatron_grpo.algo.batch import collate_thd
+
+    a = sample(0, [5, 6, 7], [0, 1, 1])
+    b = sample(1, [9, 3, 4, 2, 8], [0, 0, 1, 1, 1], group=1)
+    mb = collate_thd([a, b], num_groups=2, pad_to_multiple=4)
+    assert mb.tokens.tolist() == [[5, 6, 7, 0, 9, 3, 4, 2, 8, 0, 0, 0]]
+    assert mb.targets.tolist() == [[6, 7, 0, 0, 3, 4, 2, 8, 0, 0, 0, 0]]
+    assert mb.position_ids.tolist() == [[0, 1, 2, 0, 0, 1, 2, 3, 4, 0, 0, 0]]
+    assert mb.seg.tolist() == [[0, 0, 0, -1, 1, 1, 1, 1, 1, -1, -1, -1]]
+    assert mb.cu_seqlens.tolist() == [0, 4, 12] and mb.cu_seqlens.dtype == torch.int32
+    assert mb.max_seqlen == 8 and mb.attention_mask is None
+    assert mb.seq_tokens.tolist() == [2, 3]
+    # a least length (one shape under VPP) and an idle micro-batch end with padding
+    assert collate_thd([a], num_groups=1, pad_to_multiple=4, min_length=12).cu_seqlens.tolist() == [
+        0,
+        4,
+        12,
+    ]
+    idle = collate_thd([], num_groups=1, pad_to_multiple=4)
+    assert idle.cu_seqlens.tolist() == [0, 4] and idle.num_samples == 0
+
+
+def test_context_parallel_ranks_hold_chunks_r_and_2cp_minus_1_minus_r_of_each_sequence():
+    from megatron_grpo.algo.batch import context_parallel_indices
+
+    cu = torch.tensor([0, 8, 12], dtype=torch.int32)
+    assert context_parallel_indices(cu, 2, 0).tolist() == [0, 1, 6, 7, 8, 11]
+    assert context_parallel_indices(cu, 2, 1).tolist() == [2, 3, 4, 5, 9, 10]
+    with pytest.raises(ValueError, match="padded to a multiple of 4"):
+        context_parallel_indices(torch.tensor([0, 6], dtype=torch.int32), 2, 0)
+
+
+def test_context_parallel_plan_splits_every_micro_batch_and_keeps_whole_counts():
+    from megatron_grpo.algo.batch import collate_thd
+    from megatron_grpo.commands.invariance import fixed_batch
+    from megatron_grpo.config import ParallelDims
+    from megatron_grpo.mcore.parallel import ParallelContext
+    from megatron_grpo.train.step import StepSettings, plan_micro_batches
+
+    samples = fixed_batch(vocab_size=50)
+    settings = StepSettings(
+        global_batch_size=len(samples),
+        num_iterations=1,
+        max_tokens_per_micro_batch=48,
+        pack=False,
+        vocab_size=50,
+        max_len=10,
+    )
+    shares = []
+    for cp_rank in range(2):
+        ctx = ParallelContext(
+            dims=ParallelDims(cp=2),
+            world_size=2,
+            rank=cp_rank,
+            dp_size=1,
+            dp_rank=0,
+            tp_rank=0,
+            pp_rank=0,
+            cp_rank=cp_rank,
+            pg=None,
+        )
+        shares.append(plan_micro_batches(samples, ctx, settings))
+    assert len(shares[0]) == len(shares[1]) > 1
+    for mb0, mb1 in zip(*shares):
+        assert mb0.cu_seqlens.tolist() == mb1.cu_seqlens.tolist()
+        assert bool((torch.diff(mb0.cu_seqlens) % 4 == 0).all())  # 2 CP chunks each
+        assert mb0.tokens.shape[1] * 2 == int(mb0.cu_seqlens[-1])
+        assert mb0.seq_tokens.tolist() == mb1.seq_tokens.tolist()
+        ids = mb0.sample_ids.tolist()
+        whole = collate_thd([samples[i] for i in ids], num_groups=4, pad_to_multiple=4)
+        assert mb0.seq_tokens.tolist() == whole.seq_tokens.tolist()
+        # the two shares hold every loss token of the micro-batch once
+        assert float(mb0.loss_mask.sum() + mb1.loss_mask.sum()) == float(whole.loss_mask.sum())

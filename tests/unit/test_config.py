@@ -264,7 +264,16 @@ def test_scale_options_and_their_refusals_are_named():
             "optim.optimizer=sgd",
             "optim.use_distributed_optimizer=true",
         ],
-        "parallel.cp=2: context parallelism is not supported": ["parallel.cp=2"],
+        "parallel.cp=2 with parallel.vpp=2 is not supported": [
+            "model.num_layers=4",
+            "parallel.pp=2",
+            "parallel.vpp=2",
+            "parallel.cp=2",
+        ],
+        "a mixture-of-experts model at parallel.cp=2 is not supported": [
+            "model.num_experts=4",
+            "parallel.cp=2",
+        ],
         "model.params_dtype=float16 is not supported: fp16 training needs a dynamic loss": [
             "model.params_dtype=float16"
         ],
@@ -329,14 +338,17 @@ def test_expert_parallel_layout_validation_names_the_cause():
     dims.validate_model(num_layers=2, num_attention_heads=4, num_query_groups=4, num_experts=8)
 
 
-def test_layouts_are_written_with_three_or_four_fields():
+def test_layouts_are_written_with_three_four_or_five_fields():
     from megatron_grpo.commands.invariance import Layout
 
     assert Layout.parse("2x1x2") == Layout(2, 1, 2, 1) == Layout.parse("2x1x2x1")
     assert Layout.parse("1x2x1x2") == Layout(1, 2, 1, 2)
     assert str(Layout(1, 2, 1, 2)) == "1x2x1x2" and str(Layout(2, 1, 1)) == "2x1x1"
     assert Layout(2, 1, 2, 2).world_size == 4
-    for bad in ("2x1", "2x1x1x1x1", "ax1x1"):
+    assert Layout.parse("1x1x1x1x2") == Layout(1, 1, 1, 1, 2) == Layout(1, 1, 1, cp=2)
+    assert str(Layout(2, 1, 1, cp=2)) == "2x1x1x1x2" and Layout(2, 1, 1, cp=2).world_size == 4
+    assert Layout.parse("2x1x1x1x1") == Layout(2, 1, 1)
+    for bad in ("2x1", "2x1x1x1x1x1", "ax1x1"):
         with pytest.raises(ValueError, match="DPxTPxPPxEP"):
             Layout.parse(bad)
 

@@ -74,6 +74,13 @@ def run(tmp_path, monkeypatch, capsys):
             "eval.datasets[held]: data.path '/nowhere/held.jsonl' does not exist",
         ),
         (["eval.k=[8]"], 2, "eval.k must list values in [1, eval.samples_per_prompt=4]"),
+        # no GPU here: context parallelism needs Transformer Engine's attention, in 16-bit
+        (
+            ["parallel.cp=2", "model.params_dtype=bfloat16"],
+            2,
+            "parallel.cp=2 needs Transformer Engine's attention",
+        ),
+        (["parallel.cp=2"], 2, "parallel.cp=2 needs model.params_dtype=bfloat16"),
     ],
 )
 def test_refused_before_launch(run, overrides, nproc, message):

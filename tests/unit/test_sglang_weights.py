@@ -167,3 +167,33 @@ def test_sharing_strategy_is_restored():
     before = torch.multiprocessing.get_sharing_strategy()
     consume(serialize_for_sglang(shared_copies({"w": torch.ones(2)})))
     assert torch.multiprocessing.get_sharing_strategy() == before
+
+
+def test_a_cuda_tensor_names_its_device_by_uuid_and_nothing_else_changes(monkeypatch):
+    """What a CUDA tensor pickles as (torch's ``rebuild_cuda_tensor`` and its arguments) with
+    the device index replaced by the device's UUID, as SGLang's own senders pickle it; a
+    CPU tensor's reduction is left as it was. (The CUDA IPC path itself needs a GPU:
+    tests/gpu/test_sglang_gpu.py.)"""
+    from torch.multiprocessing import reductions
+
+    from megatron_grpo.rollout import sglang_weights
+
+    monkeypatch.setattr(sglang_weights, "_device_uuid", lambda index: f"GPU-uuid-of-{index}")
+    args = tuple(range(15))
+    rebuild, got = sglang_weights.device_as_uuid((reductions.rebuild_cuda_tensor, args))
+    assert rebuild is reductions.rebuild_cuda_tensor
+    assert got == (*range(6), "GPU-uuid-of-6", *range(7, 15))
+    cpu = reductions.reduce_tensor(torch.ones(2))
+    assert sglang_weights.device_as_uuid(cpu) is cpu
+
+
+def test_sglang_on_a_gpu_takes_cuda_ipc_only_from_a_process_with_a_gpu(monkeypatch):
+    from megatron_grpo.rollout import server_kinds
+    from megatron_grpo.rollout.server_kinds import ServerKind
+
+    on_gpu = ServerKind(embedded=False, tp_size=1, host=None, device="cuda")
+    on_cpu = ServerKind(embedded=False, tp_size=1, host=None, device="cpu")
+    monkeypatch.setattr(server_kinds, "_cuda_available", lambda: False)
+    assert on_gpu.tensor_way() == on_cpu.tensor_way() == "sglang"
+    monkeypatch.setattr(server_kinds, "_cuda_available", lambda: True)
+    assert on_gpu.tensor_way() == "sglang_cuda" and on_cpu.tensor_way() == "sglang"

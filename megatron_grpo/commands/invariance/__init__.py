@@ -2,7 +2,8 @@
 
 One fixed global batch (varied lengths, a fully masked sequence, a masked
 tool-output span, uneven prompt groups, rollout log-probs off the policy's) is
-trained at each layout (DP x TP x PP, run as real multi-process gloo or nccl) by
+trained at each layout (DP x TP x PP, and CP where Transformer Engine runs, as real
+multi-process gloo or nccl) by
 the trainer's own step function, ``train.step.train_on_rollout``: its planner
 splits the batch over DP ranks and into micro-batches under a token budget, the
 behaviour and reference log-probs are frozen, the loss weights come from one DP
@@ -41,11 +42,12 @@ if TYPE_CHECKING:
         parse_features,
     )
     from megatron_grpo.commands.invariance.check import REFERENCE, check
-    from megatron_grpo.commands.invariance.features import BF16_TOLERANCE, FEATURES
+    from megatron_grpo.commands.invariance.features import BF16_TOLERANCE, FEATURES, TF32_TOLERANCE
 
 _WHERE = {
     "BF16_TOLERANCE": "features",
     "FEATURES": "features",
+    "TF32_TOLERANCE": "features",
     "GROUP_SIZES": "cases",
     "MAX_COMPLETION": "cases",
     "Layout": "cases",
@@ -77,6 +79,7 @@ __all__ = [
     "GROUP_SIZES",
     "MAX_COMPLETION",
     "REFERENCE",
+    "TF32_TOLERANCE",
     "Layout",
     "check",
     "default_loss",

@@ -30,23 +30,26 @@ step), so a scale error shows in the update as it would under SGD."""
 
 @dataclass(frozen=True)
 class Layout:
-    """DP x TP x PP ranks, and the expert-parallel size (taken from the DP x TP ranks)."""
+    """DP x TP x PP (x CP) ranks, and the expert-parallel size (taken from the DP x TP ranks)."""
 
     dp: int
     tp: int
     pp: int
     ep: int = 1
+    cp: int = 1
+    """Context-parallel size: each sequence split over ``cp`` ranks (Transformer Engine only)."""
 
     @classmethod
     def parse(cls, text: str) -> Layout:
-        """``DPxTPxPP`` or ``DPxTPxPPxEP`` (three fields mean EP=1)."""
+        """``DPxTPxPP``, ``DPxTPxPPxEP`` or ``DPxTPxPPxEPxCP`` (missing fields are 1)."""
         try:
             sizes = [int(x) for x in text.lower().split("x")]
         except ValueError:
             sizes = []
-        if len(sizes) not in (3, 4):
+        if len(sizes) not in (3, 4, 5):
             raise ValueError(
-                f"layout {text!r} is not of the form DPxTPxPP or DPxTPxPPxEP, e.g. 2x1x2x2"
+                f"layout {text!r} is not of the form DPxTPxPP, DPxTPxPPxEP or DPxTPxPPxEPxCP, "
+                "e.g. 2x1x2x2 or 1x1x1x1x2"
             )
         if min(sizes) < 1:
             raise ValueError(f"layout {text!r}: sizes must be >= 1")
@@ -54,9 +57,11 @@ class Layout:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.cp
 
     def __str__(self) -> str:
+        if self.cp > 1:
+            return f"{self.dp}x{self.tp}x{self.pp}x{self.ep}x{self.cp}"
         ep = f"x{self.ep}" if self.ep > 1 else ""
         return f"{self.dp}x{self.tp}x{self.pp}{ep}"
 
@@ -99,9 +104,9 @@ def setup(
         optim = OptimConfig(optimizer="adam", lr=ADAM_LR, adam_eps=ADAM_EPS, clip_grad=0.0)
     wanted = () if reference else features
     applies = {
-        "distopt": layout.dp > 1,
+        "distopt": layout.dp * layout.cp > 1,
         "sp": layout.tp > 1,
-        "vpp": layout.pp > 1,
+        "vpp": layout.pp > 1 and layout.cp == 1,
         "recompute": True,
         "selective": True,
         "bf16": True,
@@ -122,6 +127,7 @@ def setup(
             tp=layout.tp,
             pp=layout.pp,
             ep=layout.ep,
+            cp=layout.cp,
             vpp=2 if "vpp" in active else None,
             # megatron-core's MoE layer trains at TP > 1 only under sequence parallelism
             sequence_parallel="sp" in active or (model.is_moe and layout.tp > 1),

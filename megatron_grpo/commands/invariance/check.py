@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from megatron_grpo.commands.invariance.cases import Layout, Variant, default_model
+from megatron_grpo.commands.invariance.cases import Layout, Variant, default_model, setup
 from megatron_grpo.config import ModelConfig
 from megatron_grpo.launch import run_workers
 
@@ -93,11 +93,18 @@ def check(
     gradient computed outside megatron-core.
 
     The reference of every case is the single-process run of the same mode and pass with
-    the first micro-batch count, in the original order, without the layout features.
+    the first micro-batch count, in the original order, without the layout features. A
+    1x1x1 listed in ``layouts`` with features that apply to one process (bf16,
+    recomputation) is a launch of its own with them, compared with that reference.
     ``worker`` ("module:function" taking run_layout's arguments and ``worker_kwargs``)
     replaces the worker body, e.g. to plant a bug and see the check catch it.
     """
     model_cfg = model_cfg or default_model()
+    if any(x.cp > 1 for x in layouts) and "bf16" not in features:
+        raise ValueError(
+            "a context-parallel layout needs --features bf16: Transformer Engine splits attention "
+            "over CP ranks only in 16-bit (its fused and flash backends)"
+        )
     common = dict(
         model_cfg=model_cfg,
         modes=modes,
@@ -116,6 +123,8 @@ def check(
         kwargs = {**common, "dp": layout.dp, "tp": layout.tp, "pp": layout.pp, **states}
         if layout.ep > 1:
             kwargs["ep"] = layout.ep
+        if layout.cp > 1:
+            kwargs["cp"] = layout.cp
         results = run_workers(target, layout.world_size, kwargs=kwargs, timeout=timeout)
         return next(r for r in results if r is not None)
 
@@ -133,8 +142,12 @@ def check(
         }
     }
     log(_reference_line(errors[REFERENCE]))
-    for layout in [Layout(1, 1, 1)] + [x for x in layouts if x != Layout(1, 1, 1)]:
-        cases = reference if layout == Layout(1, 1, 1) else launch(layout, reference)
+    single = Layout(1, 1, 1)
+    featured = single in layouts and bool(
+        setup(single, features, model_cfg, reference=False).active
+    )
+    for layout in [single] + [x for x in layouts if x != single]:
+        cases = reference if layout == single and not featured else launch(layout, reference)
         errors[str(layout)] = {
             name: compare(case, reference["cases"][_baseline_name(name, first)])
             for name, case in cases["cases"].items()

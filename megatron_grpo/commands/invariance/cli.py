@@ -10,14 +10,15 @@ MOE_LAYOUTS = "1x1x1x1,2x1x1x2,1x2x1x2,2x1x2x2"
 
 
 def add_parser(sub, add_config_args: Callable[[argparse.ArgumentParser], None]) -> None:
-    from megatron_grpo.commands.invariance.features import BF16_TOLERANCE, FEATURES
+    from megatron_grpo.commands.invariance.features import BF16_TOLERANCE, FEATURES, TF32_TOLERANCE
 
     p = sub.add_parser(
         "check-invariance",
         help="prove the gradient of one global batch is the same at every layout",
         description="Train one fixed global batch with the trainer's own step function "
         "(its planner, frozen old and reference log-probs, two optimizer passes) at each "
-        "DPxTPxPP[xEP] layout (multi-process gloo on CPU, nccl on GPU), with several micro-batch "
+        "DPxTPxPP[xEP[xCP]] layout (multi-process gloo on CPU, nccl on GPU), with several "
+        "micro-batch "
         "counts, a permutation of samples and packing, and compare gradients, updates, grad "
         "norms and replicas of each pass against the single-process run; that run is "
         "compared with the gradient computed by transformers and the loss from its "
@@ -34,8 +35,9 @@ def add_parser(sub, add_config_args: Callable[[argparse.ArgumentParser], None]) 
     )
     p.add_argument(
         "--layouts",
-        help=f"comma-separated DPxTPxPP or DPxTPxPPxEP (default {DEFAULT_LAYOUTS}; with "
-        f"--model moe {MOE_LAYOUTS})",
+        help=f"comma-separated DPxTPxPP, DPxTPxPPxEP or DPxTPxPPxEPxCP (default "
+        f"{DEFAULT_LAYOUTS}; with --model moe {MOE_LAYOUTS}); CP > 1 needs Transformer Engine "
+        "(a GPU), e.g. 1x1x1x1x2",
     )
     p.add_argument(
         "--micro-batches",
@@ -63,7 +65,8 @@ def add_parser(sub, add_config_args: Callable[[argparse.ArgumentParser], None]) 
     p.add_argument(
         "--tolerance",
         type=float,
-        help=f"largest max|delta|/max|g| (default 1e-5; {BF16_TOLERANCE:g} with bf16)",
+        help=f"largest max|delta|/max|g| (default 1e-5; {BF16_TOLERANCE:g} with bf16; "
+        f"{TF32_TOLERANCE:g} where Transformer Engine runs in float32: its GEMMs use TF32)",
     )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per layout launch")
     p.set_defaults(func=run)
@@ -92,11 +95,13 @@ def run(args: argparse.Namespace) -> int:
     from megatron_grpo.commands.invariance import (
         BF16_TOLERANCE,
         REFERENCE,
+        TF32_TOLERANCE,
         Layout,
         check,
         parse_features,
     )
     from megatron_grpo.config import MODES, check_mode
+    from megatron_grpo.mcore.layers import have_transformer_engine
 
     modes = list(MODES) if args.mode == "all" else [args.mode]
     for mode in modes:
@@ -107,10 +112,11 @@ def run(args: argparse.Namespace) -> int:
     if any(c < 1 for c in counts):
         raise ValueError(f"--micro-batches must be positive integers, got {args.micro_batches}")
     features = parse_features(args.features)
-    tolerance = args.tolerance or (BF16_TOLERANCE if "bf16" in features else 1e-5)
+    fp32 = TF32_TOLERANCE if have_transformer_engine() else 1e-5  # TE's fp32 GEMMs are TF32
+    tolerance = args.tolerance or (BF16_TOLERANCE if "bf16" in features else fp32)
     model_cfg = _model_config(args)
     print(
-        f"check-invariance: modes {', '.join(modes)}; layouts (DPxTPxPP[xEP]) "
+        f"check-invariance: modes {', '.join(modes)}; layouts (DPxTPxPP[xEP[xCP]]) "
         f"{', '.join(map(str, layouts))}; micro-batches {counts}; features "
         f"{', '.join(features) or 'none'}; permutation {'on' if args.permute else 'off'}; "
         f"packing {'on' if args.pack else 'off'}; tolerance {tolerance:g}"
@@ -125,8 +131,8 @@ def run(args: argparse.Namespace) -> int:
         model_cfg=model_cfg,
         timeout=args.timeout,
     )
-    # the comparison outside megatron-core is always fp32 against fp32
-    limit = {REFERENCE: min(tolerance, 1e-5)}
+    # the comparison outside megatron-core is always fp32 against fp32 (TF32 under TE)
+    limit = {REFERENCE: min(tolerance, fp32)}
     worst = max(max(v.values()) for cases in errors.values() for v in cases.values())
     failed = [
         f"{layout} {case}: {', '.join(f'{k} {v:.2e}' for k, v in e.items())}"

@@ -95,6 +95,7 @@ def run_layout(
     pp: int,
     dp: int,
     ep: int = 1,
+    cp: int = 1,
     model_cfg: ModelConfig,
     modes: list[str],
     micro_batch_counts: list[int],
@@ -108,6 +109,7 @@ def run_layout(
     single-process reference: it draws the initial and reference weights and also computes
     the first pass's gradient outside megatron-core (``reference.reference_gradient``)."""
     from megatron_grpo.mcore.full_state import load_full_state
+    from megatron_grpo.mcore.layers import have_transformer_engine
     from megatron_grpo.mcore.model import build_model
     from megatron_grpo.mcore.optim import build_optimizer
     from megatron_grpo.mcore.parallel import broadcast_object, init_parallel
@@ -115,7 +117,7 @@ def run_layout(
     from megatron_grpo.train.step import StepSettings, train_on_rollout
 
     is_reference = init_state is None
-    run = setup(Layout(dp, tp, pp, ep), features, model_cfg, reference=is_reference)
+    run = setup(Layout(dp, tp, pp, ep, cp), features, model_cfg, reference=is_reference)
     ctx = init_parallel(run.dims)
     model = build_model(run.model, ctx, optim=run.optim, train=run.train)
     vocab = run.model.vocab_size
@@ -127,6 +129,8 @@ def run_layout(
     load_full_state(ref_model, ref_state, run.model, ctx)
     results: dict[str, Any] = dict(init_state=init_state, ref_state=ref_state, active=run.active)
     results |= {"cases": {}, "transformers": {}}
+    # Transformer Engine takes packed (THD) rows in 16-bit only: in float32 there, no packing.
+    pack = pack and (run.model.params_dtype != "float32" or not have_transformer_engine())
     layouts = variants(micro_batch_counts, permute, pack, empty_rank="vpp" not in run.active)
     for mode, variant in itertools.product(modes, layouts):
         load_full_state(model, init_state, run.model, ctx)
