@@ -138,7 +138,9 @@ class Config:
     def __post_init__(self) -> None:
         check_moe_layout(self.model, self.parallel, self.train.recompute_granularity)
         rollout_batch = self.rollout.prompts_per_step * self.rollout.samples_per_prompt
-        gbs = self.train.global_batch_size or rollout_batch
+        if self.train.global_batch_size is None:  # the default, resolved here once
+            self.train.global_batch_size = rollout_batch
+        gbs = self.train.global_batch_size
         if rollout_batch % gbs:
             raise ValueError(
                 f"train.global_batch_size={gbs} does not divide the rollout batch "

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from megatron_grpo.config.hf import HF_NAMES, head_dim, model_config_from_hf, read_hf_config
 from megatron_grpo.config.loader import convert_fields, from_dict, read_yaml
@@ -28,7 +28,10 @@ MODEL_CONFIG_FILE = "model.yaml"
 """The resolved ``ModelConfig`` that a converted megatron checkpoint keeps beside its weights."""
 
 
-def _kind(path: str | Path) -> str | None:
+InitKind = Literal["hf", "megatron"]
+
+
+def _kind(path: str | Path) -> InitKind | None:
     p = Path(path)
     if (p / "metadata.json").exists():
         return "megatron"
@@ -54,7 +57,7 @@ def describe_path(path: str) -> str:
     return repr(path)
 
 
-def init_kind(path: str) -> str:
+def init_kind(path: str) -> InitKind:
     """``megatron`` (a distributed checkpoint) or ``hf`` (a Hugging Face model directory);
     a FileNotFoundError says what was looked for and where."""
     kind = _kind(path)

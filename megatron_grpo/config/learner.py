@@ -147,7 +147,8 @@ class TrainConfig:
     total_steps: int = 10
     """RL steps (rollout + optimizer steps + weight sync) to run in total."""
     global_batch_size: int | None = None
-    """Samples per optimizer step; None means the whole rollout batch (one step)."""
+    """Samples per optimizer step. None (the default): the whole rollout batch (one step),
+    set when the config is built (the resolved config shows it)."""
     num_iterations: int = 1
     """mu: optimizer passes over each rollout batch (old log-probs computed once)."""
     max_tokens_per_micro_batch: int = 4096

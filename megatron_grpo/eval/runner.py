@@ -13,18 +13,19 @@ import dataclasses
 import time
 from typing import Any
 
-from megatron_grpo.config import Config, EvalDatasetConfig
+from megatron_grpo.config import DataConfig, EvalConfig, EvalDatasetConfig
 from megatron_grpo.eval.pass_at_k import mean_pass_at_k
 from megatron_grpo.rollout.hook import response_text, reward_metadata
+from megatron_grpo.rollout.parts import RolloutSettings
 
 
-def dataset_config(cfg: Config, spec: EvalDatasetConfig):
+def dataset_config(data: DataConfig, spec: EvalDatasetConfig) -> DataConfig:
     """The ``DataConfig`` of a held-out set: the ``data`` section with the set's fields."""
     overrides: dict[str, Any] = {"path": spec.path, "shuffle": False, "require_label": True}
     for name in ("prompt_key", "label_key", "split", "system_prompt"):
         if getattr(spec, name) is not None:
             overrides[name] = getattr(spec, name)
-    return dataclasses.replace(cfg.data, **overrides)
+    return dataclasses.replace(data, **overrides)
 
 
 def group_metrics(
@@ -44,28 +45,38 @@ class Evaluator:
     """``run(step)``: the eval metrics (``<set>/<metric>``) of the current policy."""
 
     def __init__(
-        self, cfg: Config, *, runtime, scorer, tokenizer, stop_token_ids: list[int], hook=None
+        self,
+        cfg: EvalConfig,
+        settings: RolloutSettings,
+        *,
+        runtime,
+        scorer,
+        tokenizer,
+        stop_token_ids: list[int],
+        hook=None,
     ):
-        """``hook``: the run's rollout hook (a ``HookRunner``), which then makes each
-        completion as it makes the training samples (e.g. the tool loop)."""
+        """``settings``: the run's rollout sections, which the held-out sets' sampling and
+        data reading start from; ``hook``: the run's rollout hook (a ``HookRunner``), which
+        then makes each completion as it makes the training samples (e.g. the tool loop)."""
         from megatron_grpo.data import PromptDataset
 
-        self.cfg = cfg.eval
-        self.seed = cfg.seed
+        self.cfg = cfg
+        self.seed = settings.seed
         self.runtime, self.scorer, self.tokenizer = runtime, scorer, tokenizer
         self.stop_token_ids = stop_token_ids
         self.hook = hook
+        rollout = settings.rollout
         self.sampling = dataclasses.replace(
-            cfg.rollout,
-            samples_per_prompt=self.cfg.samples_per_prompt,
+            rollout,
+            samples_per_prompt=cfg.samples_per_prompt,
             sampling=dataclasses.replace(
-                cfg.rollout.sampling, temperature=self.cfg.temperature, top_p=self.cfg.top_p
+                rollout.sampling, temperature=cfg.temperature, top_p=cfg.top_p
             ),
-            max_new_tokens=self.cfg.max_new_tokens or cfg.rollout.max_new_tokens,
+            max_new_tokens=cfg.max_new_tokens or rollout.max_new_tokens,
         )
         self.sets = []
         for spec in self.cfg.datasets:
-            items = PromptDataset(dataset_config(cfg, spec), tokenizer).items
+            items = PromptDataset(dataset_config(settings.data, spec), tokenizer).items
             self.sets.append((spec.name, items[: spec.max_prompts]))
 
     def run(self, step: int) -> dict[str, float]:
@@ -105,15 +116,16 @@ class Evaluator:
         return metrics
 
 
-def build(cfg: Config, rollout, ctx) -> Evaluator | None:
+def build(cfg: EvalConfig, settings: RolloutSettings, rollout, ctx) -> Evaluator | None:
     """The evaluator of a run, on the main rank when ``eval.datasets`` is set; else None.
 
     ``rollout`` is the loop's rollout side: its runtime and its parts (scorer, tokenizer,
     stop tokens, rollout hook), which exist on the main rank only."""
-    if not cfg.eval.enabled or rollout is None or not ctx.is_main:
+    if not cfg.enabled or rollout is None or not ctx.is_main:
         return None
     return Evaluator(
         cfg,
+        settings,
         runtime=rollout.runtime,
         scorer=rollout.parts.scorer,
         tokenizer=rollout.parts.tokenizer,
@@ -122,8 +134,10 @@ def build(cfg: Config, rollout, ctx) -> Evaluator | None:
     )
 
 
-def maybe_run(evaluator: Evaluator | None, cfg: Config, step: int) -> dict[str, float]:
+def maybe_run(
+    evaluator: Evaluator | None, cfg: EvalConfig, step: int, total_steps: int
+) -> dict[str, float]:
     """The eval metrics of ``step`` when an evaluation is due there (main rank); else {}."""
-    if evaluator is None or not cfg.eval.due(step, last_step=cfg.train.total_steps):
+    if evaluator is None or not cfg.due(step, last_step=total_steps):
         return {}
     return evaluator.run(step)

@@ -52,7 +52,7 @@ def is_stage_sender(ctx: ParallelContext) -> bool:
 
 
 def _expert_dp_rank(ctx: ParallelContext) -> int:
-    return dist.get_rank(ctx.pg.expt_dp) if ctx.dims.ep > 1 else 0  # type: ignore[attr-defined]
+    return dist.get_rank(ctx.pg.expt_dp) if ctx.dims.ep > 1 else 0
 
 
 def takes_part(ctx: ParallelContext) -> bool:

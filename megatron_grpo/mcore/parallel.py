@@ -13,13 +13,26 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
 
 from megatron_grpo.config import ParallelDims
 from megatron_grpo.mcore import compat, device
+
+
+class ProcessGroups(Protocol):
+    """The groups of megatron-core's ``ProcessGroupCollection`` this package reads (the
+    collection sets its attributes at run time, so it is typed here, once)."""
+
+    tp: dist.ProcessGroup
+    pp: dist.ProcessGroup
+    cp: dist.ProcessGroup
+    dp: dist.ProcessGroup
+    dp_cp: dist.ProcessGroup
+    ep: dist.ProcessGroup
+    expt_dp: dist.ProcessGroup
 
 
 @dataclass(frozen=True)
@@ -34,39 +47,39 @@ class ParallelContext:
     tp_rank: int
     pp_rank: int
     cp_rank: int
-    pg: object
-    """megatron-core ``ProcessGroupCollection`` (tp, pp, cp, dp, dp_cp, mp, embd, ep,
-    expt_tp, expt_dp, ...)."""
+    pg: ProcessGroups
+    """megatron-core's ``ProcessGroupCollection`` (tp, pp, cp, dp, dp_cp, mp, embd, ep,
+    expt_tp, expt_dp, ...), handed to its builders as ``pg_collection``."""
     ep_rank: int = 0
     """This rank's place in the expert-parallel group: it holds experts
     ``[ep_rank * E / ep, (ep_rank + 1) * E / ep)`` of every MoE layer."""
 
     @property
     def tp_group(self) -> dist.ProcessGroup:
-        return self.pg.tp  # type: ignore[attr-defined]
+        return self.pg.tp
 
     @property
     def pp_group(self) -> dist.ProcessGroup:
-        return self.pg.pp  # type: ignore[attr-defined]
+        return self.pg.pp
 
     @property
     def cp_group(self) -> dist.ProcessGroup:
         """The ranks that split each sequence between them (context parallelism)."""
-        return self.pg.cp  # type: ignore[attr-defined]
+        return self.pg.cp
 
     @property
     def dp_group(self) -> dist.ProcessGroup:
-        return self.pg.dp  # type: ignore[attr-defined]
+        return self.pg.dp
 
     @property
     def dp_cp_group(self) -> dist.ProcessGroup:
         """The group that holds distinct data: where loss denominators are all-reduced."""
-        return self.pg.dp_cp  # type: ignore[attr-defined]
+        return self.pg.dp_cp
 
     @property
     def ep_group(self) -> dist.ProcessGroup:
         """The ranks that split one MoE layer's experts between them (all-to-all)."""
-        return self.pg.ep  # type: ignore[attr-defined]
+        return self.pg.ep
 
     @property
     def is_first_stage(self) -> bool:
@@ -116,7 +129,7 @@ def init_parallel(
         distributed_timeout_minutes=timeout_minutes,
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
-    pg = ProcessGroupCollection.use_mpu_process_groups()
+    pg = cast(ProcessGroups, ProcessGroupCollection.use_mpu_process_groups())
     return ParallelContext(
         dims=dims,
         world_size=world_size,

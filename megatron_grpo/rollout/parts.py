@@ -10,13 +10,30 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_grpo.config import Config
+from megatron_grpo.config import AdvantageConfig, Config, DataConfig, RewardConfig, RolloutConfig
 from megatron_grpo.rollout import stage as rollout_stage
+
+
+@dataclass(frozen=True)
+class RolloutSettings:
+    """The config sections a rollout is made with, and the run's seed: what the rollout
+    parts, the producer's process and evaluation are handed (not the learner's sections,
+    nor the output paths)."""
+
+    rollout: RolloutConfig
+    data: DataConfig
+    reward: RewardConfig
+    advantages: AdvantageConfig
+    seed: int
+
+    @classmethod
+    def of(cls, cfg: Config) -> RolloutSettings:
+        return cls(cfg.rollout, cfg.data, cfg.reward, cfg.advantages, cfg.seed)
 
 
 @dataclass
 class RolloutParts:
-    cfg: Config
+    settings: RolloutSettings
     tokenizer: Any
     sampler: Any
     scorer: Any
@@ -24,7 +41,9 @@ class RolloutParts:
     hook: Any
 
     @classmethod
-    def build(cls, cfg: Config, tokenizer_path: str, sampler_state: dict | None) -> RolloutParts:
+    def build(
+        cls, cfg: RolloutSettings, tokenizer_path: str, sampler_state: dict | None
+    ) -> RolloutParts:
         """The parts of ``cfg``; the sampler goes on from ``sampler_state`` when given."""
         from transformers import AutoTokenizer
 
@@ -37,7 +56,7 @@ class RolloutParts:
         if sampler_state is not None:
             sampler.load_state_dict(sampler_state)
         return cls(
-            cfg=cfg,
+            settings=cfg,
             tokenizer=tokenizer,
             sampler=sampler,
             scorer=RewardScorer(cfg.reward, label_key=cfg.data.label_key),
@@ -53,14 +72,14 @@ class RolloutParts:
             runtime=runtime,
             scorer=self.scorer,
             tokenizer=self.tokenizer,
-            cfg=self.cfg.rollout,
-            adv_cfg=self.cfg.advantages,
-            seed=self.cfg.seed,
+            cfg=self.settings.rollout,
+            adv_cfg=self.settings.advantages,
+            seed=self.settings.seed,
             stop_token_ids=self.stop,
             hook=self.hook,
         )
-        if self.cfg.rollout.dump_dir:
-            rollout_stage.dump(batch, self.cfg.rollout.dump_dir, step)
+        if self.settings.rollout.dump_dir:
+            rollout_stage.dump(batch, self.settings.rollout.dump_dir, step)
         return batch
 
     def close(self) -> None:

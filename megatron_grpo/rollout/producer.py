@@ -40,8 +40,8 @@ from dataclasses import dataclass
 from multiprocessing import connection
 from typing import Any
 
-from megatron_grpo.config import Config
 from megatron_grpo.heap import freeze_startup_objects
+from megatron_grpo.rollout.parts import RolloutSettings
 from megatron_grpo.rollout.stage import RolloutBatch
 
 HOLD_TIMEOUT_S = 120.0
@@ -54,12 +54,13 @@ CLOSE_WAIT_S = 60.0
 class ProducerSpec:
     """What the producer's process is started with."""
 
-    cfg: Config
+    settings: RolloutSettings
     tokenizer_path: str
     sampler_state: dict
     """The prompt sampler's state before step ``first_step``'s batch."""
     engine_urls: tuple[str, ...]
-    """The engines' own URLs (generation goes through ``cfg.rollout.engines.router_url`` if set)."""
+    """The engines' own URLs (generation goes through ``rollout.engines.router_url``, if
+    set)."""
     first_step: int
     last_step: int
     weight_version: int
@@ -71,7 +72,7 @@ class RolloutProducer:
 
     def __init__(self, spec: ProducerSpec) -> None:
         mp = multiprocessing.get_context("spawn")
-        self.max_staleness = spec.cfg.rollout.max_staleness
+        self.max_staleness = spec.settings.rollout.max_staleness
         self._control, their_control = mp.Pipe()
         self._results, their_results = mp.Pipe(duplex=False)
         self._process = mp.Process(
@@ -218,10 +219,12 @@ def _produce(spec: ProducerSpec, control: Any, results: Any) -> None:
     progress = _Progress(spec.weight_version)
     parts = runtime = None
     try:
-        if spec.cfg.rollout.producer_cpus:  # before the runtime's threads and reward workers
-            _place(spec.cfg.rollout.producer_cpus)
-        parts = RolloutParts.build(spec.cfg, spec.tokenizer_path, spec.sampler_state)
-        runtime = RolloutRuntime(spec.cfg.rollout, seed=spec.cfg.seed, attach_to=spec.engine_urls)
+        if spec.settings.rollout.producer_cpus:  # before the runtime's threads and reward workers
+            _place(spec.settings.rollout.producer_cpus)
+        parts = RolloutParts.build(spec.settings, spec.tokenizer_path, spec.sampler_state)
+        runtime = RolloutRuntime(
+            spec.settings.rollout, seed=spec.settings.seed, attach_to=spec.engine_urls
+        )
     except BaseException as err:
         outbox.put(_error(None, err))
     threading.Thread(target=_obey, args=(control, runtime, progress), daemon=True).start()
@@ -248,7 +251,7 @@ def _place(cpus: list[int]) -> None:
 
 
 def _steps(spec: ProducerSpec, parts: Any, runtime: Any, progress: _Progress, outbox) -> None:
-    k = spec.cfg.rollout.max_staleness
+    k = spec.settings.rollout.max_staleness
     for step in range(spec.first_step, spec.last_step + 1):
         if not progress.wait_for(step - 1 - k):
             return

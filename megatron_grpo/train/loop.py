@@ -23,6 +23,7 @@ from megatron_grpo.mcore.optim import build_optimizer
 from megatron_grpo.mcore.parallel import broadcast_object, init_parallel
 from megatron_grpo.metrics import MetricsLogger, namespaced, over_optimizer_steps
 from megatron_grpo.rollout import stage as rollout_stage
+from megatron_grpo.rollout.parts import RolloutParts, RolloutSettings
 from megatron_grpo.rollout.producer import ProducerSpec, RolloutProducer
 from megatron_grpo.train import run_start, save_hf, sources
 from megatron_grpo.train import state as train_state
@@ -68,7 +69,8 @@ def _train(cfg: Config, ctx, start: run_start.RunStart) -> None:
     out = Path(cfg.output_dir)
     if ctx.is_main:
         _start_output_dir(cfg, out, start)
-    model, optimizer, scheduler, ref_model = _learner(cfg, ctx)
+    inputs = sources.resolve_inputs(cfg)  # once: every part below is handed these
+    model, optimizer, scheduler, ref_model = _learner(cfg, inputs, ctx)
     start_step, extra = 0, dict[str, Any]()
     latest = train_state.latest_checkpoint(out)
     if latest is not None:
@@ -80,7 +82,9 @@ def _train(cfg: Config, ctx, start: run_start.RunStart) -> None:
     )
     rollout = None
     if cfg.rollout.replay_dir is None:
-        rollout = _RolloutSide(cfg, ctx, model, extra, start_step=start_step, main_work=main_work)
+        rollout = _RolloutSide(
+            cfg, inputs, ctx, model, extra, start_step=start_step, main_work=main_work
+        )
     settings = step_settings(cfg)
     logger = MetricsLogger(
         out,
@@ -91,11 +95,12 @@ def _train(cfg: Config, ctx, start: run_start.RunStart) -> None:
         start_step=start_step,
     )
     try:
-        evaluator = evaluation.build(cfg, rollout, ctx)
+        evaluator = evaluation.build(cfg.eval, RolloutSettings.of(cfg), rollout, ctx)
+        total = cfg.train.total_steps
 
         def evaluate(step: int) -> dict:
-            done = main_work.run("evaluation", lambda: evaluation.maybe_run(evaluator, cfg, step))
-            return done or {}
+            run = lambda: evaluation.maybe_run(evaluator, cfg.eval, step, total)  # noqa: E731
+            return main_work.run("evaluation", run) or {}
 
         if start_step == 0 and (initial := evaluate(0)):
             logger.log(0, namespaced("eval", initial))
@@ -172,17 +177,17 @@ def _warn_if_uncorrected(cfg: Config) -> None:
         )
 
 
-def _learner(cfg: Config, ctx) -> tuple[list, Any, Any, list | None]:
+def _learner(cfg: Config, inputs: sources.RunInputs, ctx) -> tuple[list, Any, Any, list | None]:
     """The policy with its initial weights, its optimizer and scheduler, and the frozen
     reference model when the loss has a KL term."""
     model = build_model(cfg.model, ctx, optim=cfg.optim, train=cfg.train)
-    sources.load_initial_weights(model, cfg, ctx)
+    sources.load_initial_weights(model, inputs, cfg.model, ctx)
     # after the weights: bf16 and the distributed optimizer copy them into fp32 master weights
     optimizer, scheduler = build_optimizer(cfg.optim, cfg.model, model, ctx)
     ref_model = None
     if cfg.loss.kl_coef:  # frozen copy of the initial policy, forward only
         ref_model = build_model(cfg.model, ctx, wrap_ddp=False)
-        sources.load_initial_weights(ref_model, cfg, ctx)
+        sources.load_initial_weights(ref_model, inputs, cfg.model, ctx)
     return model, optimizer, scheduler, ref_model
 
 
@@ -219,9 +224,9 @@ def _close(logger: MetricsLogger, rollout: _RolloutSide | None) -> None:
 def step_settings(cfg: Config) -> StepSettings:
     """Batch sizes and packing of the optimizer steps (packed unless Transformer Engine runs)."""
     pack = cfg.train.pack_sequences
+    assert cfg.train.global_batch_size is not None  # Config resolves its default
     return StepSettings(
-        global_batch_size=cfg.train.global_batch_size
-        or cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt,
+        global_batch_size=cfg.train.global_batch_size,
         num_iterations=cfg.train.num_iterations,
         max_tokens_per_micro_batch=cfg.train.max_tokens_per_micro_batch,
         pack=pack if pack is not None else not have_transformer_engine(),
@@ -236,6 +241,7 @@ class _RolloutSide:
     def __init__(
         self,
         cfg: Config,
+        inputs: sources.RunInputs,
         ctx,
         model: list,
         extra: dict,
@@ -243,7 +249,7 @@ class _RolloutSide:
         start_step: int,
         main_work: MainRankWork,
     ) -> None:
-        self.cfg, self.ctx = cfg, ctx
+        self.cfg, self.inputs, self.ctx = cfg, inputs, ctx
         self.runtime: Any = None
         # Starting or attaching to the engines may take minutes: not inside a collective.
         main_work.run("engine start", lambda: self._start(cfg, extra, start_step))
@@ -264,8 +270,8 @@ class _RolloutSide:
         own; a weight push holds its generation."""
         producer = RolloutProducer(
             ProducerSpec(
-                cfg=self.cfg,
-                tokenizer_path=sources.tokenizer_path(self.cfg),
+                settings=RolloutSettings.of(self.cfg),
+                tokenizer_path=self.inputs.tokenizer,
                 sampler_state=self.parts.sampler.state_dict(),
                 engine_urls=self.runtime.engine_urls,
                 first_step=start_step + 1,
@@ -283,10 +289,10 @@ class _RolloutSide:
 
     def _start(self, cfg: Config, extra: dict, start_step: int) -> None:
         from megatron_grpo.rollout.embedded.weights import hf_model_from_config
-        from megatron_grpo.rollout.parts import RolloutParts
         from megatron_grpo.rollout.runtime import RolloutRuntime
 
-        self.parts = RolloutParts.build(cfg, sources.tokenizer_path(cfg), extra.get("sampler"))
+        settings = RolloutSettings.of(cfg)
+        self.parts = RolloutParts.build(settings, self.inputs.tokenizer, extra.get("sampler"))
         embedded = cfg.rollout.engines.type == "embedded" and not cfg.rollout.embedded_process
         self.runtime = RolloutRuntime(
             cfg.rollout,
@@ -294,7 +300,7 @@ class _RolloutSide:
             tokenizer=self.parts.tokenizer,
             seed=cfg.seed,
             weight_version=str(start_step),
-            model_path=sources.hf_model_path(cfg),
+            model_path=self.inputs.model_path,
             model_cfg=cfg.model,
         )
 

@@ -81,8 +81,8 @@ def check_layout(cfg: Config, world_size: int) -> int:
         raise ValueError(
             f"model.ffn_hidden_size={m.ffn_hidden_size} is not divisible by TP={dims.tp}"
         )
-    batch = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
-    gbs = cfg.train.global_batch_size or batch
+    gbs = cfg.train.global_batch_size
+    assert gbs is not None  # Config resolves its default
     if gbs < dp:
         raise ValueError(
             f"train.global_batch_size={gbs} is below DP={dp}: every DP rank needs a sample"
@@ -101,7 +101,7 @@ def preflight(cfg: Config, world_size: int) -> None:
     from megatron_grpo.rewards import RewardScorer
     from megatron_grpo.train import sources
 
-    path = sources.tokenizer_path(cfg)
+    path = sources.resolve_inputs(cfg).tokenizer
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
@@ -116,7 +116,7 @@ def preflight(cfg: Config, world_size: int) -> None:
 
     for spec in cfg.eval.datasets:
         try:
-            PromptDataset(dataset_config(cfg, spec), tokenizer, first_only=first_only)
+            PromptDataset(dataset_config(cfg.data, spec), tokenizer, first_only=first_only)
         except ValueError as e:
             raise ValueError(f"eval.datasets[{spec.name}]: {e}") from None
     try:

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import copy
 import re
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 
-from megatron_grpo.config import Config, dump_config, move_keys, to_dict
+from megatron_grpo.config import Config, dump_config, from_dict, move_keys, to_dict
 from megatron_grpo.train.state import latest_checkpoint
 
 CONFIG_FILE = "config.yaml"
@@ -116,9 +117,20 @@ def config_changes(saved: dict[str, Any], now: dict[str, Any]) -> dict[str, tupl
     of this package) are not compared."""
     saved = copy.deepcopy(saved)
     move_keys(saved, warn=False)  # the saved config is the package's, not the user's
-    a, b = _flatten(saved), _flatten(now)
+    a, b = _flatten(_resolved(saved)), _flatten(now)
     keys = sorted(a.keys() & b.keys() - {"train.allow_config_change"})
     return {k: (a[k], b[k]) for k in keys if a[k] != b[k]}
+
+
+def _resolved(saved: dict[str, Any]) -> dict[str, Any]:
+    """The saved config with the defaults this version resolves filled in as it fills them
+    (an older run saved ``null`` for them), when it loads; else as it is."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return to_dict(from_dict(Config, saved))
+    except (ValueError, TypeError, KeyError):
+        return saved
 
 
 def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -142,3 +142,33 @@ def test_train_is_callable_whatever_was_imported_first(tmp_path):
     assert TrainResult.read(tmp_path).final == {"step": 2, "r": 0.75}
     with pytest.raises(ValueError, match="nproc must be >= 1"):
         train(nproc=0)
+
+
+COUNT_SOURCES = """
+import sys
+from megatron_grpo import train
+from megatron_grpo.train import loop, sources
+
+calls = []
+looked_up = sources.init_kind
+sources.init_kind = lambda path: calls.append(path) or looked_up(path)
+inner = loop.train
+loop.train = lambda cfg: (calls.clear(), inner(cfg))[1]  # count inside train() only
+assets = sys.argv[1]
+train("examples/cpu_demo/grpo.yaml", [
+    f"tokenizer={assets}/model", f"train.init={assets}/model",
+    f"data.path={assets}/train.jsonl", "parallel.pp=1", "train.total_steps=2",
+    "train.save_interval=1", f"output_dir={sys.argv[2]}", *sys.argv[3:],
+])
+print("init_kind calls:", len(calls))
+"""
+
+
+def test_the_tokenizer_and_model_sources_are_resolved_once_per_run(tmp_path, assets):
+    """train() resolves where the weights and tokenizer come from once (RunInputs) and
+    hands that to the learner, the reference model, the engines and the rollout parts."""
+    argv = [sys.executable, "-c", COUNT_SOURCES, str(assets), str(tmp_path / "run"), *SMALL]
+    done = subprocess.run(argv + ["loss.kl_coef=0.01"], capture_output=True, text=True,
+                          timeout=600, cwd=ROOT)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "init_kind calls: 1"

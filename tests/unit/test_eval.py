@@ -10,6 +10,7 @@ from megatron_grpo.config import Config, EvalConfig, MetricsConfig, from_dict
 from megatron_grpo.eval.runner import Evaluator, build, group_metrics, maybe_run
 from megatron_grpo.metrics import MetricsLogger, curves, plot_run, read_metrics
 from megatron_grpo.rewards import RewardConfig, RewardScorer
+from megatron_grpo.rollout.parts import RolloutSettings
 from megatron_grpo.testing import char_tokenizer
 
 
@@ -82,7 +83,14 @@ def setup(tmp_path):
     return (
         cfg,
         runtime,
-        Evaluator(cfg, runtime=runtime, scorer=scorer, tokenizer=tokenizer, stop_token_ids=[]),
+        Evaluator(
+            cfg.eval,
+            RolloutSettings.of(cfg),
+            runtime=runtime,
+            scorer=scorer,
+            tokenizer=tokenizer,
+            stop_token_ids=[],
+        ),
     )
 
 
@@ -110,10 +118,12 @@ def test_evaluator_seed_depends_on_the_step_only(setup):
 
 def test_maybe_run_follows_the_schedule(setup):
     cfg, runtime, evaluator = setup
-    assert maybe_run(evaluator, cfg, 1) == {}
-    assert "sums/pass@1" in maybe_run(evaluator, cfg, 2)
-    assert maybe_run(None, cfg, 2) == {}  # not the main rank
-    assert build(cfg, None, SimpleNamespace(is_main=True)) is None  # replayed rollouts
+    total = cfg.train.total_steps
+    assert maybe_run(evaluator, cfg.eval, 1, total) == {}
+    assert "sums/pass@1" in maybe_run(evaluator, cfg.eval, 2, total)
+    assert maybe_run(None, cfg.eval, 2, total) == {}  # not the main rank
+    replayed = build(cfg.eval, RolloutSettings.of(cfg), None, SimpleNamespace(is_main=True))
+    assert replayed is None  # replayed rollouts
 
 
 def test_step_zero_row_survives_a_resume_and_goes_when_starting_afresh(tmp_path):

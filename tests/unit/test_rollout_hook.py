@@ -10,6 +10,7 @@ from megatron_grpo.algo.batch import collate
 from megatron_grpo.algo.normalization import GlobalCounts, local_counts, sequence_weights
 from megatron_grpo.config import AdvantageConfig, RolloutConfig, ToolsConfig
 from megatron_grpo.rollout.hook import Episode, HookRunner, RolloutHookError, load_hook
+from megatron_grpo.rollout.parts import RolloutSettings
 from megatron_grpo.rollout.stage import collect
 from megatron_grpo.rollout.tools.loop import ToolLoop
 from megatron_grpo.rollout.types import FinishReason, Generation
@@ -261,7 +262,8 @@ def test_evaluation_runs_the_hook_when_the_run_has_one(tokenizer, tmp_path):
                                   "num_errors": 0})()  # fmt: skip
 
     evaluator = Evaluator(
-        cfg, runtime=Runtime(ScriptedClient(tokenizer)), scorer=Scorer(), tokenizer=tokenizer,
+        cfg.eval, RolloutSettings.of(cfg), runtime=Runtime(ScriptedClient(tokenizer)),
+        scorer=Scorer(), tokenizer=tokenizer,
         stop_token_ids=[tokenizer.eos_token_id],
         hook=HookRunner(ToolLoop(TOOLS, tokenizer), "tools", tokenizer),
     )  # fmt: skip
