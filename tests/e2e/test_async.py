@@ -31,10 +31,17 @@ def train(out: Path, assets: Path, *overrides: str) -> list[dict]:
 
 def test_staleness_0_reproduces_the_synchronous_loop_s_metrics(tmp_path, assets):
     """The fixture holds the metrics of the synchronous loop as it was before asynchronous
-    RL was built (three steps of the demo; times left out)."""
+    RL was built (three steps of the demo; times left out). The rollout's are exact; the
+    learner's floats to 1e-4, since CPUs with other vector units (AVX2, AVX-512) round
+    the same sums differently in their last bits."""
     rows = train(tmp_path, assets, "train.total_steps=3", "rollout.max_staleness=0")
     expected = [json.loads(line) for line in FIXTURE.read_text().splitlines()]
-    assert [{k: row[k] for k in want} for row, want in zip(rows, expected)] == expected
+    assert len(rows) >= len(expected)
+    for row, want in zip(rows, expected):
+        exact = {k: v for k, v in want.items() if not k.startswith("train/")}
+        assert {k: row[k] for k in exact} == exact
+        learner = {k: v for k, v in want.items() if k.startswith("train/")}
+        assert {k: row[k] for k in learner} == pytest.approx(learner, rel=1e-4, abs=1e-6)
 
 
 def prompts(dump: Path, step: int) -> list[list[int]]:
