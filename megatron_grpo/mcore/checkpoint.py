@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -53,26 +54,35 @@ def load_model_state(model: list, loaded: dict[str, Any]) -> None:
         unwrap(chunk).load_state_dict(loaded[key])
 
 
-def save(state: dict[str, Any], path: str | Path, ctx: ParallelContext) -> Path:
-    """Save a sharded state dict (model, optimizer, ...) atomically to ``path``."""
-    from megatron.core import dist_checkpointing
-
+@contextlib.contextmanager
+def atomic_dir(path: str | Path, ctx: ParallelContext) -> Iterator[Path]:
+    """A folder every rank writes and that appears whole: the block writes
+    ``<path>.partial`` (all a crash can leave), which is renamed to ``path`` once every
+    rank is done. Collective."""
     final = Path(path)
     partial = final.with_name(final.name + ".partial")
     if ctx.is_main:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     dist.barrier()
-    small = local_bytes(state) < IN_PROCESS_BYTES
-    with writes_in_process() if small else contextlib.nullcontext():
-        dist_checkpointing.save(state, str(partial))
+    yield partial
     dist.barrier()
     if ctx.is_main:
         if final.exists():
             shutil.rmtree(final)
         partial.rename(final)
     dist.barrier()
-    return final
+
+
+def save(state: dict[str, Any], path: str | Path, ctx: ParallelContext) -> Path:
+    """Save a sharded state dict (model, optimizer, ...) atomically to ``path``."""
+    from megatron.core import dist_checkpointing
+
+    small = local_bytes(state) < IN_PROCESS_BYTES
+    with atomic_dir(path, ctx) as partial:
+        with writes_in_process() if small else contextlib.nullcontext():
+            dist_checkpointing.save(state, str(partial))
+    return Path(path)
 
 
 def load(state: dict[str, Any], path: str | Path) -> dict[str, Any]:

@@ -17,7 +17,6 @@ saved) holds them: the export of that checkpoint holds the same tensors, bit for
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import torch.distributed as dist
@@ -31,6 +30,7 @@ from megatron_grpo.convert.hf_files import (
     write_index,
     write_side_files,
 )
+from megatron_grpo.mcore.checkpoint import atomic_dir
 from megatron_grpo.mcore.hf_export import is_stage_sender, stage_hf_layers, takes_part
 from megatron_grpo.mcore.model import DTYPES
 from megatron_grpo.mcore.parallel import ParallelContext
@@ -83,18 +83,9 @@ def save_hf(model: list, cfg: Config, ctx: ParallelContext, step: int) -> Path:
     """Write the policy as a Hugging Face model under ``hf_dir``. Collective; the
     parameters must be up to date (``model.sync_params``)."""
     final = hf_dir(cfg.output_dir, step)
-    partial = final.with_name(final.name + ".partial")
-    if ctx.is_main:
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
-    dist.barrier()
     template, tokenizer = run_hf_files(cfg)
-    write_hf_model(model, cfg.model, ctx, partial, template, tokenizer)
-    if ctx.is_main:
-        if final.exists():
-            shutil.rmtree(final)
-        partial.rename(final)
-    dist.barrier()
+    with atomic_dir(final, ctx) as partial:
+        write_hf_model(model, cfg.model, ctx, partial, template, tokenizer)
     return final
 
 
