@@ -155,7 +155,7 @@ async def _generate(urls, args) -> dict[str, Any]:
     (each side's first run is a warm-up)."""
     from _common import Ratio
 
-    from megatron_grpo.rollout.types import RolloutRequest, SamplingParams
+    from megatron_grpo.sglang_api.types import RolloutRequest, SamplingParams
 
     num_prompts, n = (2, 2) if args.tiny else (64, 8)
     new_tokens = 8 if args.tiny else 512
@@ -224,7 +224,7 @@ def _sync(urls, learner) -> dict[str, Any]:
     from megatron_grpo.config import EnginesConfig, RolloutConfig
     from megatron_grpo.mcore.hf_export import stage_hf_layers
     from megatron_grpo.rollout.runtime import RolloutRuntime
-    from megatron_grpo.rollout.types import RolloutRequest, SamplingParams
+    from megatron_grpo.sglang_api.types import RolloutRequest, SamplingParams
     from megatron_grpo.train.weight_push import WeightPush
 
     model, ctx, cfg = learner
@@ -275,7 +275,7 @@ async def _one_request_push(url: str, named, version: str) -> float:
     the same pause / begin / end / continue as a push."""
     import torch
 
-    from megatron_grpo.rollout.sglang_weights import (
+    from megatron_grpo.sglang_api.update_group import (
         cuda_copies,
         sglang_tensor_payload,
         shared_copies,

@@ -50,7 +50,7 @@ def assets(workdir: Path, *, quick: bool) -> Path:
 
 def run(out: Path, data: Path, *, staleness: int, steps: int, args) -> list[dict]:
     engine = (
-        f"taskset -c 1 {shlex.quote(sys.executable)} -m megatron_grpo.rollout.embedded "
+        f"taskset -c 1 {shlex.quote(sys.executable)} -m megatron_grpo.embedded "
         "--model-path {model} --host {host} --port {port} "
         f"--max-batch-size {args.prompts * args.samples}"
     )

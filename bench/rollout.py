@@ -94,8 +94,8 @@ class Sides:
         import torch
         from transformers import GenerationConfig
 
+        from megatron_grpo.embedded.server import start_embedded_server
         from megatron_grpo.rollout.client import ClientConfig, SGLangClient
-        from megatron_grpo.rollout.embedded.server import start_embedded_server
 
         self.model, self.prompts, self.n, self.new_tokens = model, prompts, n, new_tokens
         self.server = start_embedded_server(model, max_batch_size=len(prompts) * n, seed=0)
@@ -129,7 +129,7 @@ class Sides:
         )
 
     def request(self):
-        from megatron_grpo.rollout.types import RolloutRequest, SamplingParams
+        from megatron_grpo.sglang_api.types import RolloutRequest, SamplingParams
 
         return RolloutRequest(
             prompts=tuple(tuple(x) for x in self.prompts),
@@ -151,7 +151,7 @@ class Sides:
         entry per sample with its own seed), as a client that batched would send them."""
         import aiohttp
 
-        from megatron_grpo.rollout.protocol import sampling_params_to_json
+        from megatron_grpo.sglang_api.protocol import sampling_params_to_json
 
         r = self.request()
         body = {
@@ -174,7 +174,7 @@ class Sides:
         self.tokens["server_one_request"].append(sum(len(a["output_ids"]) for a in answers))
 
     def via_decode_loop(self) -> None:
-        from megatron_grpo.rollout.embedded.decode import SequenceSpec, generate_batch
+        from megatron_grpo.embedded.decode import SequenceSpec, generate_batch
 
         r = self.request()
         specs = [

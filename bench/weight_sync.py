@@ -7,7 +7,7 @@
 One push is what the trainer does after each step (``train.weight_push.WeightPush``,
 ``rollout.sync.method=tensor``): every pipeline stage's sender gathers its layers over TP, a layer
 at a time, maps them to Hugging Face names and streams safetensors buckets to the embedded
-server, which runs in a process of its own (``python -m megatron_grpo.rollout.embedded``);
+server, which runs in a process of its own (``python -m megatron_grpo.embedded``);
 the other DP replica's ranks only take part in nothing but the parameter check. The
 baseline, timed in the same repeats in rotating order, is ``safetensors.torch.save`` of the
 same HF-named state dict to bytes in memory, on one process.
@@ -164,7 +164,7 @@ def start_server(model_cfg, directory: Path) -> tuple[subprocess.Popen, str]:
     ).save_pretrained(directory)
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "megatron_grpo.rollout.embedded", "--model-path", str(directory)]
+        [sys.executable, "-m", "megatron_grpo.embedded", "--model-path", str(directory)]
         + ["--port", str(port), "--max-batch-size", "1"],
         env={**os.environ, **MALLOC_ENV},
     )

@@ -107,7 +107,7 @@ class EnginesConfig:
     attached at ``urls``)."""
     embedded_server: Literal["auto", "thread", "process"] = "auto"
     """type=embedded: serve from a thread of the main rank, or from ``num_servers``
-    processes of their own (``python -m megatron_grpo.rollout.embedded``, started and
+    processes of their own (``python -m megatron_grpo.embedded``, started and
     watched like launched SGLang servers), so that generation runs beside training; auto is
     process when rollout.max_staleness >= 1, else thread."""
     urls: list[str] = field(default_factory=list)

@@ -31,7 +31,8 @@ from typing import Any
 from megatron_grpo import http
 from megatron_grpo.rollout.client_config import ClientConfig
 from megatron_grpo.rollout.engine_calls import EngineCalls, decode_json
-from megatron_grpo.rollout.errors import (
+from megatron_grpo.rollout.partial import GroupFailed, Partial
+from megatron_grpo.sglang_api.errors import (
     RolloutBatchError,
     RolloutError,
     RolloutHTTPError,
@@ -39,14 +40,13 @@ from megatron_grpo.rollout.errors import (
     SampleFailure,
     ServerUnavailableError,
 )
-from megatron_grpo.rollout.partial import GroupFailed, Partial
-from megatron_grpo.rollout.protocol import (
+from megatron_grpo.sglang_api.protocol import (
     GenerateResult,
     build_batch_payload,
     build_generate_payload,
     parse_batch_response,
 )
-from megatron_grpo.rollout.types import FinishReason, Generation, RolloutRequest
+from megatron_grpo.sglang_api.types import FinishReason, Generation, RolloutRequest
 
 __all__ = ["ClientConfig", "SGLangClient"]
 

@@ -17,7 +17,7 @@ import aiohttp
 
 from megatron_grpo import http
 from megatron_grpo.rollout.client_config import ClientConfig
-from megatron_grpo.rollout.errors import (
+from megatron_grpo.sglang_api.errors import (
     RolloutHTTPError,
     RolloutProtocolError,
     RolloutTimeoutError,
@@ -112,7 +112,7 @@ class EngineCalls:
         JSON body (SGLang's) or the embedded server's ``TensorUpdate``."""
         from urllib.parse import urlencode
 
-        from megatron_grpo.rollout.embedded.weights import TensorUpdate
+        from megatron_grpo.embedded.weights import TensorUpdate
 
         if isinstance(payload, TensorUpdate):
             path = f"/update_weights_from_tensor?{urlencode(payload.query)}"

@@ -49,7 +49,7 @@ def launch_embedded(
     hf_config_from_model_config(model_cfg, model_cfg.hf_family).save_pretrained(model_dir)
     batch = cfg.prompts_per_step * cfg.samples_per_prompt
     command = (
-        f"{sys.executable} -m megatron_grpo.rollout.embedded --model-path {{model}} "
+        f"{sys.executable} -m megatron_grpo.embedded --model-path {{model}} "
         f"--host {{host}} --port {{port}} --load-format dummy --seed {seed} "
         f"--max-batch-size {batch}"
     )

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_grpo.config import RolloutConfig
-from megatron_grpo.rollout.types import FinishReason, Generation, RolloutRequest, SamplingParams
+from megatron_grpo.sglang_api.types import FinishReason, Generation, RolloutRequest, SamplingParams
 
 TURN_SEED_STRIDE = 100_003
 """Seed offset of an episode's successive turns (each turn is its own request)."""

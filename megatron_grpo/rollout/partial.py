@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megatron_grpo.rollout.errors import RolloutError
-from megatron_grpo.rollout.protocol import GenerateResult
-from megatron_grpo.rollout.types import FinishReason, Generation
+from megatron_grpo.sglang_api.errors import RolloutError
+from megatron_grpo.sglang_api.protocol import GenerateResult
+from megatron_grpo.sglang_api.types import FinishReason, Generation
 
 
 @dataclass

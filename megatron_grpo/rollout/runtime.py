@@ -38,8 +38,8 @@ from megatron_grpo.config import ModelConfig, RolloutConfig
 from megatron_grpo.rollout.io_loop import IOLoop
 
 if TYPE_CHECKING:
+    from megatron_grpo.embedded.server import EmbeddedServerHandle
     from megatron_grpo.rollout.client import ClientConfig
-    from megatron_grpo.rollout.embedded.server import EmbeddedServerHandle
     from megatron_grpo.rollout.servers import ServerGroup
     from megatron_grpo.rollout.stage_sender import StageReport, SyncPlan
 
@@ -131,9 +131,9 @@ class RolloutRuntime:
     ) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """Start or attach to the engines (``__init__``'s arguments); the URLs generation
         goes to, and those weight updates go to."""
+        from megatron_grpo.embedded.server import start_embedded_server
         from megatron_grpo.rollout import engines
         from megatron_grpo.rollout.client_config import api_key_from_env
-        from megatron_grpo.rollout.embedded.server import start_embedded_server
         from megatron_grpo.rollout.servers import ServerGroup
 
         cfg = self.cfg
@@ -175,14 +175,14 @@ class RolloutRuntime:
         ``on_group(prompt_index, group)`` is called with each group as soon as its last
         sample is done (on the runtime's event loop thread: it must not block)."""
         from megatron_grpo.rollout.episode import sampling_params
-        from megatron_grpo.rollout.types import RolloutRequest
+        from megatron_grpo.sglang_api.types import RolloutRequest
 
         request = RolloutRequest(
             prompts=tuple(tuple(p) for p in prompts),
             num_samples=cfg.samples_per_prompt,
             sampling=sampling_params(cfg, seed=seed, stop_token_ids=stop_token_ids),
         )
-        from megatron_grpo.rollout.errors import RolloutStoppedError
+        from megatron_grpo.sglang_api.errors import RolloutStoppedError
 
         if self._stopped:
             raise RolloutStoppedError("the rollout engines' generation was stopped")
@@ -200,7 +200,7 @@ class RolloutRuntime:
     def run_on_engines(self, work: Callable[[Any], Coroutine[Any, Any, Any]]) -> Any:
         """``await work(client)`` on the runtime's event loop, as a rollout (a rollout hook's
         episodes): silent engines dropped first, what is in flight aborted if interrupted."""
-        from megatron_grpo.rollout.errors import RolloutStoppedError
+        from megatron_grpo.sglang_api.errors import RolloutStoppedError
 
         if self._stopped:
             raise RolloutStoppedError("the rollout engines' generation was stopped")
@@ -221,8 +221,8 @@ class RolloutRuntime:
         senders send; engines that answer again are taken back first."""
         import socket
 
-        from megatron_grpo.rollout.errors import RolloutError
         from megatron_grpo.rollout.stage_sender import SyncPlan
+        from megatron_grpo.sglang_api.errors import RolloutError
 
         self._take_back_engines()
         client = self.weight_client
@@ -264,7 +264,7 @@ class RolloutRuntime:
         it and no longer answer (False: push again to the others). Raises on a learner-side
         failure, or when no engine is left."""
         from megatron_grpo.rollout import weight_sync
-        from megatron_grpo.rollout.errors import RolloutError
+        from megatron_grpo.sglang_api.errors import RolloutError
 
         failed = [r for r in reports if r.error]
         client = self.weight_client
@@ -323,7 +323,7 @@ class RolloutRuntime:
     def _run_or_drop(self, call: Callable[[bool], Coroutine[Any, Any, None]], why: str) -> None:
         """Run ``call(again=False)`` (control calls to every engine in use); on failure drop
         the engines that no longer answer and run ``call(again=True)`` on the others."""
-        from megatron_grpo.rollout.errors import RolloutError
+        from megatron_grpo.sglang_api.errors import RolloutError
 
         again = False
         while True:
@@ -354,7 +354,7 @@ class RolloutRuntime:
             return self._drop_silent(why, wait=wait)
 
     def _drop_silent(self, why: str, *, wait: bool) -> list[str]:
-        from megatron_grpo.rollout.errors import ServerUnavailableError
+        from megatron_grpo.sglang_api.errors import ServerUnavailableError
 
         silent = [u for u in self.weight_client.urls if not self._answers(u)]
         if not silent:

@@ -21,7 +21,7 @@ class ServerKind(NamedTuple):
         """How ``/update_weights_from_tensor`` reaches this engine from this process: SGLang
         on a GPU by CUDA IPC handles when this process has a GPU too (the engine on this
         machine, as for the shared-memory way), SGLang otherwise through shared memory."""
-        from megatron_grpo.rollout.embedded.weights import shared_memory_available
+        from megatron_grpo.embedded.weights import shared_memory_available
 
         if not self.embedded:
             cuda_here = self.device == "cuda" and _cuda_available()
@@ -38,8 +38,8 @@ def _cuda_available() -> bool:
 
 async def server_kinds(client: Any) -> dict[str, ServerKind]:
     """What each engine in use is, from its ``/server_info``."""
-    from megatron_grpo.rollout.embedded.server import SERVER_VERSION
-    from megatron_grpo.rollout.sglang_compat import check_server
+    from megatron_grpo.embedded.server import SERVER_VERSION
+    from megatron_grpo.sglang_api.compat import check_server
 
     infos = await asyncio.gather(*(client.server_info(url) for url in client.urls))
     kinds = {

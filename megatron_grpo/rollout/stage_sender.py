@@ -160,7 +160,7 @@ class StageSender:
     def send(self, layers: Iterator[Mapping[str, Tensor]], plan: SyncPlan) -> StageReport:
         """Stream ``layers`` (HF-named tensors) to the engines of ``plan``; never raises for
         an engine's failure (the report says it), and always runs ``layers`` to its end."""
-        from megatron_grpo.rollout.errors import RolloutError
+        from megatron_grpo.sglang_api.errors import RolloutError
 
         report = StageReport(stage=self.stage)
         self._samples = {}
@@ -226,7 +226,7 @@ class StageSender:
         return bucket_maker, deliver
 
     def _disk_method(self, plan: SyncPlan, report: StageReport) -> tuple[Callable, Callable]:
-        from megatron_grpo.rollout.embedded.weights import serialize_named_tensors
+        from megatron_grpo.embedded.weights import serialize_named_tensors
 
         assert plan.disk_dir is not None
         directory = Path(plan.disk_dir)
@@ -243,7 +243,7 @@ class StageSender:
         return prepare, deliver
 
     async def _distributed_method(self, client: Any, plan: SyncPlan) -> tuple[Callable, Callable]:
-        from megatron_grpo.rollout.sglang_weights import dtype_name
+        from megatron_grpo.sglang_api.update_group import dtype_name
 
         group = await self._group(client, plan)
 
@@ -306,7 +306,7 @@ class StageSender:
         return self.loop.run_until_complete(self._check(plan))
 
     async def _check(self, plan: SyncPlan) -> list[str]:
-        from megatron_grpo.rollout.errors import RolloutHTTPError
+        from megatron_grpo.sglang_api.errors import RolloutHTTPError
 
         client = await self._client(plan.urls)
         problems = []
@@ -351,7 +351,7 @@ class _Prepared:
     def payloads(
         self, by_way: Mapping[str, list[str]], kinds: Mapping[str, ServerKind]
     ) -> Iterator[tuple[str, Any]]:
-        from megatron_grpo.rollout import sglang_weights
+        from megatron_grpo.sglang_api import update_group as sglang_weights
 
         for url in by_way["shm"]:
             yield url, self.shm.request(weight_version=self.weight_version)
@@ -383,8 +383,8 @@ class _TensorBuckets:
         self.by_way, self.weight_version = by_way, weight_version
 
     def __call__(self, bucket: dict[str, Tensor]) -> _Prepared:
-        from megatron_grpo.rollout import sglang_weights
-        from megatron_grpo.rollout.embedded.weights import shared_bucket, tensor_update
+        from megatron_grpo.embedded.weights import shared_bucket, tensor_update
+        from megatron_grpo.sglang_api import update_group as sglang_weights
 
         ready = _Prepared(self.weight_version)
         if self.by_way["shm"]:

@@ -20,8 +20,8 @@ from megatron_grpo.config import ModelConfig
 from megatron_grpo.rollout.server_kinds import server_kinds
 
 if TYPE_CHECKING:
-    from megatron_grpo.rollout.sglang_weights import UpdateGroup
     from megatron_grpo.rollout.stage_sender import StageReport
+    from megatron_grpo.sglang_api.update_group import UpdateGroup
 
 
 async def open_update_group(
@@ -40,7 +40,7 @@ async def open_update_group(
     started together.
     """
     from megatron_grpo.launch import free_port
-    from megatron_grpo.rollout import sglang_weights
+    from megatron_grpo.sglang_api import update_group as sglang_weights
 
     tp_sizes = {url: kind.tp_size for url, kind in (await server_kinds(client)).items()}
     world_size = 1 + sum(tp_sizes.values())

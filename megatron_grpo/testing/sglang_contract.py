@@ -23,7 +23,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from megatron_grpo.rollout.sglang_compat import SGLANG
+from megatron_grpo.sglang_api.compat import SGLANG
 
 SGLANG_VERSION = SGLANG.tested
 _CONTRACT_FILE = "sglang/api/v1/api_types.py"

@@ -288,7 +288,7 @@ class _RolloutSide:
         return producer
 
     def _start(self, cfg: Config, extra: dict, start_step: int) -> None:
-        from megatron_grpo.rollout.embedded.weights import hf_model_from_config
+        from megatron_grpo.embedded.weights import hf_model_from_config
         from megatron_grpo.rollout.runtime import RolloutRuntime
 
         settings = RolloutSettings.of(cfg)

@@ -320,9 +320,9 @@ def test_exported_directory_serves_from_the_embedded_rollout_server(sources, lau
     """Greedy tokens from the embedded server on the exported directory equal transformers'."""
     import asyncio
 
+    from megatron_grpo.embedded.server import start_embedded_server
     from megatron_grpo.rollout.client import ClientConfig, SGLangClient
-    from megatron_grpo.rollout.embedded.server import start_embedded_server
-    from megatron_grpo.rollout.types import RolloutRequest, SamplingParams
+    from megatron_grpo.sglang_api.types import RolloutRequest, SamplingParams
 
     export_dir = launched["cases"]["qwen2"]["export_dir"]
     prompt = sources["qwen2"]["tokens"][0, :6].tolist()

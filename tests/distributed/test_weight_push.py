@@ -41,10 +41,10 @@ def push_every_method(hf_dir: str, ep: int) -> dict[str, Any] | None:
     from megatron_grpo.commands.convert.hf_to_megatron import resolve_hf_model
     from megatron_grpo.config import ParallelDims, RolloutConfig, WeightSyncConfig
     from megatron_grpo.convert.hf_files import HFCheckpoint, MegatronView
+    from megatron_grpo.embedded.weights import hf_model_from_config, hf_weights
     from megatron_grpo.mcore.full_state import load_full_state
     from megatron_grpo.mcore.model import build_model
     from megatron_grpo.mcore.parallel import init_parallel
-    from megatron_grpo.rollout.embedded.weights import hf_model_from_config, hf_weights
     from megatron_grpo.rollout.runtime import RolloutRuntime
     from megatron_grpo.train.weight_push import WeightPush
 

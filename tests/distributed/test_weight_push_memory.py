@@ -81,7 +81,7 @@ def embedded_server_process(tmp_path):
     hf.save_pretrained(tmp_path / "hf")
     port = free_port()
     server = subprocess.Popen(
-        [sys.executable, "-m", "megatron_grpo.rollout.embedded"]
+        [sys.executable, "-m", "megatron_grpo.embedded"]
         + ["--model-path", str(tmp_path / "hf"), "--port", str(port)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

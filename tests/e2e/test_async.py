@@ -78,7 +78,7 @@ def engine_pids(trainer: subprocess.Popen) -> list[int]:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"megatron_grpo.rollout.embedded" in argv:
+        if b"megatron_grpo.embedded" in argv:
             found.append(pid)
     return sorted(found)
 

@@ -90,9 +90,9 @@ def exported(run, tmp_path_factory) -> Path:
 def engine_samples(model_dir: Path, prompts: list[list[int]]) -> list[tuple[list[int], list]]:
     """(prompt + completion, the engine's log-prob of each completion token) of one sampled
     completion of each prompt, from the embedded engine serving ``model_dir``."""
+    from megatron_grpo.embedded.server import start_embedded_server
     from megatron_grpo.rollout.client import ClientConfig, SGLangClient
-    from megatron_grpo.rollout.embedded.server import start_embedded_server
-    from megatron_grpo.rollout.types import RolloutRequest, SamplingParams
+    from megatron_grpo.sglang_api.types import RolloutRequest, SamplingParams
 
     server = start_embedded_server(model_dir)
     try:

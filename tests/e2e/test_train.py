@@ -219,7 +219,7 @@ def test_attached_sglang_servers_get_the_learners_weights_before_the_first_rollo
     rollout log-probs of step 1 are the learner's own."""
     import transformers
 
-    from megatron_grpo.rollout.embedded.server import start_embedded_server
+    from megatron_grpo.embedded.server import start_embedded_server
 
     torch.manual_seed(123)
     config = transformers.AutoConfig.from_pretrained(assets / "model")

@@ -37,14 +37,14 @@ import torch
 
 from megatron_grpo.launch import free_port, run_workers
 from megatron_grpo.rollout.client import ClientConfig, SGLangClient
-from megatron_grpo.rollout.protocol import build_generate_payload, parse_generate_response
 from megatron_grpo.rollout.servers import (
     LaunchConfig,
     launch_servers,
     router_workers,
     stop_process_group,
 )
-from megatron_grpo.rollout.types import RolloutRequest, SamplingParams
+from megatron_grpo.sglang_api.protocol import build_generate_payload, parse_generate_response
+from megatron_grpo.sglang_api.types import RolloutRequest, SamplingParams
 from megatron_grpo.testing import sglang_contract as contract
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]

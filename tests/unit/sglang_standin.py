@@ -12,7 +12,7 @@ SGLang 0.5.23 does there:
   ``rank_offset + tp_rank``.
 
 The trainer's ends are tested against them (test_sglang_weights.py, in receiver processes)
-and ``rollout.sglang_compat.SGLANG``'s targets are checked against them (test_internals.py):
+and ``sglang_api.compat.SGLANG``'s targets are checked against them (test_internals.py):
 the declared contract and the one the weight tests exercise are the same.
 """
 

@@ -26,15 +26,15 @@ import megatron_grpo.internals as internals
 from megatron_grpo.internals import Library, MovedInternals, Target, UntestedRelease, check, moved
 from megatron_grpo.mcore import device
 from megatron_grpo.mcore.compat import MEGATRON_CORE
-from megatron_grpo.rollout import sglang_compat
-from megatron_grpo.rollout.sglang_compat import SGLANG
+from megatron_grpo.sglang_api import compat as sglang_compat
+from megatron_grpo.sglang_api.compat import SGLANG
 
 sys.path.insert(0, str(Path(__file__).parent))
 import sglang_standin  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "megatron_grpo"
-COMPAT_MODULES = {"mcore/compat.py", "mcore/device.py", "rollout/sglang_compat.py"}
+COMPAT_MODULES = {"mcore/compat.py", "mcore/device.py", "sglang_api/compat.py"}
 """Where patches of third-party internals may live (docs/architecture.md)."""
 THIRD_PARTY = {"torch", "megatron", "transformers", "sglang"}
 
@@ -57,7 +57,7 @@ def test_the_sglang_targets_exist_in_a_real_sglang():
                 "the stand-in instead (test_the_sglang_targets_hold_for_the_stand_in)"
             )
         done = subprocess.run(
-            [str(sglang_python), "-m", "megatron_grpo.rollout.sglang_compat"],
+            [str(sglang_python), "-m", "megatron_grpo.sglang_api.compat"],
             env={**os.environ, "PYTHONPATH": str(ROOT)},
             capture_output=True,
             text=True,
@@ -224,7 +224,7 @@ def test_an_sglang_server_of_another_release_is_flagged_where_sglang_is_not(monk
 
 
 def test_the_server_side_check_reports_what_it_found(monkeypatch, standin_sglang, capsys):
-    """``python -m megatron_grpo.rollout.sglang_compat``, as run in the server's environment."""
+    """``python -m megatron_grpo.sglang_api.compat``, as run in the server's environment."""
     monkeypatch.setattr(sglang_compat.importlib.metadata, "version", lambda name: "0.5.23")
     assert sglang_compat.main() == 0
     total = len(SGLANG.targets)

@@ -14,13 +14,13 @@ import pytest
 from aiohttp import web
 
 from megatron_grpo.rollout.client import ClientConfig, SGLangClient
-from megatron_grpo.rollout.errors import (
+from megatron_grpo.sglang_api.errors import (
     RolloutBatchError,
     RolloutHTTPError,
     RolloutTimeoutError,
     ServerUnavailableError,
 )
-from megatron_grpo.rollout.types import RolloutRequest, SamplingParams
+from megatron_grpo.sglang_api.types import RolloutRequest, SamplingParams
 from megatron_grpo.testing import sglang_contract as contract
 
 pytestmark = pytest.mark.timeout(60)

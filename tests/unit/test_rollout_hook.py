@@ -13,7 +13,7 @@ from megatron_grpo.rollout.hook import Episode, HookRunner, RolloutHookError, lo
 from megatron_grpo.rollout.parts import RolloutSettings
 from megatron_grpo.rollout.stage import collect
 from megatron_grpo.rollout.tools.loop import ToolLoop
-from megatron_grpo.rollout.types import FinishReason, Generation
+from megatron_grpo.sglang_api.types import FinishReason, Generation
 from megatron_grpo.testing import tool_tokenizer
 
 pytestmark = pytest.mark.timeout(60)

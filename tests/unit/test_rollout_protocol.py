@@ -6,15 +6,15 @@ These tests fail, never skip, without the contract file: fetch it with
 
 import pytest
 
-from megatron_grpo.rollout.embedded.protocol import BadRequest, generate_answer, parse_generate_body
-from megatron_grpo.rollout.errors import RolloutProtocolError
-from megatron_grpo.rollout.protocol import (
+from megatron_grpo.embedded.protocol import BadRequest, generate_answer, parse_generate_body
+from megatron_grpo.sglang_api.errors import RolloutProtocolError
+from megatron_grpo.sglang_api.protocol import (
     build_generate_payload,
     finish_reason_from_json,
     finish_reason_to_json,
     parse_generate_response,
 )
-from megatron_grpo.rollout.types import FinishReason, RolloutRequest, SamplingParams
+from megatron_grpo.sglang_api.types import FinishReason, RolloutRequest, SamplingParams
 from megatron_grpo.testing import sglang_contract as contract
 
 pytestmark = pytest.mark.timeout(60)

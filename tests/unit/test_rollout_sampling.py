@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from megatron_grpo.rollout.embedded.sampling import (
+from megatron_grpo.embedded.sampling import (
     counter_uniform,
     sample_next_tokens,
     sampling_probs,

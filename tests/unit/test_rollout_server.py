@@ -15,11 +15,11 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from megatron_grpo.embedded.server import start_embedded_server
+from megatron_grpo.embedded.weights import shared_bucket, tensor_update
 from megatron_grpo.rollout.client import ClientConfig, SGLangClient
-from megatron_grpo.rollout.embedded.server import start_embedded_server
-from megatron_grpo.rollout.embedded.weights import shared_bucket, tensor_update
-from megatron_grpo.rollout.errors import RolloutBatchError, RolloutHTTPError
-from megatron_grpo.rollout.types import FinishReason, RolloutRequest, SamplingParams
+from megatron_grpo.sglang_api.errors import RolloutBatchError, RolloutHTTPError
+from megatron_grpo.sglang_api.types import FinishReason, RolloutRequest, SamplingParams
 from megatron_grpo.testing import sglang_contract as contract
 
 pytestmark = pytest.mark.timeout(120)
@@ -453,7 +453,7 @@ def test_update_weights_from_tensor_inside_a_session(own_server, model, way):
 def test_a_groups_samples_share_one_prefill_and_keep_their_own_draws(model):
     """Rows with one prompt run through the prefill once; each row's tokens still depend
     only on its seed, and its log-probs are the policy's."""
-    from megatron_grpo.rollout.embedded.decode import SequenceSpec, generate_batch
+    from megatron_grpo.embedded.decode import SequenceSpec, generate_batch
 
     sampling = SamplingParams(max_new_tokens=6, temperature=1.0)
     specs = [
@@ -480,7 +480,7 @@ def test_a_groups_samples_share_one_prefill_and_keep_their_own_draws(model):
 def test_rows_that_stop_early_end_as_they_would_alone(model):
     """Stopped rows ride along in the batch for a while; what each row returns is what it
     returns generated alone."""
-    from megatron_grpo.rollout.embedded.decode import SequenceSpec, generate_batch
+    from megatron_grpo.embedded.decode import SequenceSpec, generate_batch
 
     sampling = SamplingParams(
         max_new_tokens=8, temperature=1.0, stop_token_ids=tuple(range(0, 300, 6))

@@ -390,7 +390,7 @@ def test_a_hung_generation_is_aborted_on_its_server_before_the_error_returns(tmp
     """The server never answers /generate: after request_timeout_s the runtime raises, and
     by then every sample's /abort_request has reached the server (not left to a task that
     dies with the event loop)."""
-    from megatron_grpo.rollout.errors import RolloutBatchError
+    from megatron_grpo.sglang_api.errors import RolloutBatchError
 
     runtime, cfg, aborts = engine_that_hangs(tmp_path, request_timeout_s=1.0)
     try:
@@ -456,9 +456,9 @@ def test_a_dead_engine_is_dropped_and_taken_back_once_it_answers(tmp_path):
     every engine stopped, a push waits for one to come back, and fails saying so when none
     does."""
     from megatron_grpo.config.hf import model_config_from_hf
-    from megatron_grpo.rollout.embedded.server import start_embedded_server
-    from megatron_grpo.rollout.errors import ServerUnavailableError
+    from megatron_grpo.embedded.server import start_embedded_server
     from megatron_grpo.rollout.runtime import RolloutRuntime
+    from megatron_grpo.sglang_api.errors import ServerUnavailableError
     from megatron_grpo.testing import random_hf_model, tiny_hf_config
 
     hf_config = tiny_hf_config("qwen2")

@@ -24,10 +24,9 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from megatron_grpo.config import EnginesConfig, RolloutConfig
-from megatron_grpo.rollout.client import ClientConfig, SGLangClient
-from megatron_grpo.rollout.embedded import auth
-from megatron_grpo.rollout.embedded.server import start_embedded_server
-from megatron_grpo.rollout.embedded.weights import (
+from megatron_grpo.embedded import auth
+from megatron_grpo.embedded.server import start_embedded_server
+from megatron_grpo.embedded.weights import (
     SHM_DIR,
     SHM_PREFIX,
     SharedFileRefused,
@@ -35,8 +34,9 @@ from megatron_grpo.rollout.embedded.weights import (
     shared_bucket,
     tensor_update,
 )
-from megatron_grpo.rollout.errors import RolloutBatchError, RolloutHTTPError
-from megatron_grpo.rollout.types import RolloutRequest, SamplingParams
+from megatron_grpo.rollout.client import ClientConfig, SGLangClient
+from megatron_grpo.sglang_api.errors import RolloutBatchError, RolloutHTTPError
+from megatron_grpo.sglang_api.types import RolloutRequest, SamplingParams
 
 pytestmark = [
     pytest.mark.timeout(120),
@@ -312,7 +312,7 @@ def test_a_server_beyond_loopback_needs_a_key(model):
 def test_the_command_line_server_refuses_to_listen_beyond_loopback_without_a_key(
     capsys, monkeypatch
 ):
-    from megatron_grpo.rollout.embedded.__main__ import main
+    from megatron_grpo.embedded.__main__ import main
 
     with pytest.raises(SystemExit):
         main(["--model-path", "/nonexistent", "--host", "0.0.0.0"])

@@ -10,7 +10,7 @@
   ``SafeUnpickler``) and sees the same tensors.
 
 Both SGLang pieces are the stand-ins of ``sglang_standin.py``, against which
-``rollout.sglang_compat``'s declared targets are checked too (test_internals.py).
+``sglang_api.compat``'s declared targets are checked too (test_internals.py).
 
 The real SGLang server runs both in tests/sglang.
 """
@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_grpo.launch import free_port
-from megatron_grpo.rollout.sglang_weights import (
+from megatron_grpo.sglang_api.update_group import (
     dtype_name,
     open_update_group,
     serialize_for_sglang,
@@ -176,7 +176,7 @@ def test_a_cuda_tensor_names_its_device_by_uuid_and_nothing_else_changes(monkeyp
     tests/gpu/test_sglang_gpu.py.)"""
     from torch.multiprocessing import reductions
 
-    from megatron_grpo.rollout import sglang_weights
+    from megatron_grpo.sglang_api import update_group as sglang_weights
 
     monkeypatch.setattr(sglang_weights, "_device_uuid", lambda index: f"GPU-uuid-of-{index}")
     args = tuple(range(15))

@@ -8,8 +8,8 @@ from engine_push import push_weights
 
 from megatron_grpo.config import RolloutConfig, WeightSyncConfig
 from megatron_grpo.config.hf import model_config_from_hf
-from megatron_grpo.rollout.embedded import server as embedded_server
-from megatron_grpo.rollout.embedded.weights import copy_into_model
+from megatron_grpo.embedded import server as embedded_server
+from megatron_grpo.embedded.weights import copy_into_model
 from megatron_grpo.rollout.runtime import RolloutRuntime
 from megatron_grpo.rollout.stage_sender import compare_sample
 from megatron_grpo.testing import random_hf_model, tiny_hf_config

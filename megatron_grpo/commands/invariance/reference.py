@@ -97,7 +97,7 @@ def _sample_loss(
 def _hf_model(state: dict[str, Tensor], cfg: ModelConfig):
     """The transformers model of ``cfg`` holding the megatron ``state``."""
     from megatron_grpo.convert.weights import megatron_to_hf
-    from megatron_grpo.rollout.embedded.weights import hf_model_from_state
+    from megatron_grpo.embedded.weights import hf_model_from_state
 
     hf_state = megatron_to_hf(state, cfg, cfg.hf_family)
     if not cfg.is_moe:

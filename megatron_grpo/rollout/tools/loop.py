@@ -24,7 +24,7 @@ from megatron_grpo.rollout.tools.calls import (
     render_result,
 )
 from megatron_grpo.rollout.tools.registry import build_tools, run_call
-from megatron_grpo.rollout.types import FinishReason, Generation
+from megatron_grpo.sglang_api.types import FinishReason, Generation
 
 
 def single_token_id(tokenizer: Any, text: str, key: str) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_grpo.rollout.types import Generation
+from megatron_grpo.sglang_api.types import Generation
 
 
 class RolloutError(RuntimeError):

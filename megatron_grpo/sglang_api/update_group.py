@@ -50,7 +50,7 @@ import torch.distributed as dist
 import torch.multiprocessing  # noqa: F401  (registers torch's reductions with ForkingPickler)
 from torch import Tensor
 
-from megatron_grpo.rollout.sglang_compat import update_group_store
+from megatron_grpo.sglang_api.compat import update_group_store
 
 # --------------------------------------------------------------------------- tensor format
 

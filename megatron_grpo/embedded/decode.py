@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from megatron_grpo.rollout.embedded.sampling import sample_next_tokens, token_logprobs
-from megatron_grpo.rollout.types import FinishReason, SamplingParams
+from megatron_grpo.embedded.sampling import sample_next_tokens, token_logprobs
+from megatron_grpo.sglang_api.types import FinishReason, SamplingParams
 
 BeforeStep = Callable[[], Mapping[int, str]]
 """Called before each new token, again until it names no unfinished row: the rows to abort,

@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel
 
-from megatron_grpo.rollout.embedded.decode import Completion, SequenceSpec, generate_batch
-from megatron_grpo.rollout.types import FinishReason, SamplingParams
+from megatron_grpo.embedded.decode import Completion, SequenceSpec, generate_batch
+from megatron_grpo.sglang_api.types import FinishReason, SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_grpo.rollout.protocol import finish_reason_to_json
-from megatron_grpo.rollout.types import FinishReason, SamplingParams
+from megatron_grpo.sglang_api.protocol import finish_reason_to_json
+from megatron_grpo.sglang_api.types import FinishReason, SamplingParams
 
 # SGLang 0.5.23's SamplingParams fields, in its order (the 400 message lists them).
 SGLANG_SAMPLING_FIELDS = (

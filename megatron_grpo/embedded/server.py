@@ -41,16 +41,16 @@ from typing import Any
 from aiohttp import web
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from megatron_grpo.rollout.embedded.auth import api_key_middleware, check_api_key
-from megatron_grpo.rollout.embedded.engine import Finished, GenerationEngine
-from megatron_grpo.rollout.embedded.protocol import (
+from megatron_grpo.embedded.auth import api_key_middleware, check_api_key
+from megatron_grpo.embedded.engine import Finished, GenerationEngine
+from megatron_grpo.embedded.protocol import (
     BadRequest,
     GenerateItem,
     generate_answer,
     parse_generate_body,
 )
-from megatron_grpo.rollout.embedded.weight_routes import WeightRoutes, json_object, outcome
-from megatron_grpo.rollout.embedded.weights import (
+from megatron_grpo.embedded.weight_routes import WeightRoutes, json_object, outcome
+from megatron_grpo.embedded.weights import (
     TENSOR_CONTENT_TYPE,
     copy_into_model,
     deserialize_named_tensors,
@@ -58,7 +58,7 @@ from megatron_grpo.rollout.embedded.weights import (
     load_hf_model,
     load_shared,
 )
-from megatron_grpo.rollout.types import SamplingParams
+from megatron_grpo.sglang_api.types import SamplingParams
 
 SERVER_VERSION = "megatron_grpo-embedded"
 _HEALTH_TIMEOUT_S = 20.0
@@ -274,7 +274,7 @@ class _Server:
                     False,
                     "the embedded server takes the tensors in shared memory (a JSON body with "
                     f"shared_memory) or as a safetensors body (Content-Type "
-                    f"{TENSOR_CONTENT_TYPE}); see megatron_grpo.rollout.embedded.weights, "
+                    f"{TENSOR_CONTENT_TYPE}); see megatron_grpo.embedded.weights, "
                     "not SGLang's serialized_named_tensors",
                 )
             read = functools.partial(load_shared, body["shared_memory"])

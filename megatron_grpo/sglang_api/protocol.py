@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_grpo.rollout.errors import RolloutProtocolError
-from megatron_grpo.rollout.types import FinishReason, SamplingParams
+from megatron_grpo.sglang_api.errors import RolloutProtocolError
+from megatron_grpo.sglang_api.types import FinishReason, SamplingParams
 
 
 def sampling_params_to_json(sampling: SamplingParams, *, seed: int | None) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """The embedded server in a process of its own, started as SGLang's is:
 
-    python -m megatron_grpo.rollout.embedded --model-path DIR --port 30000
+    python -m megatron_grpo.embedded --model-path DIR --port 30000
 
 It serves until SIGTERM or Ctrl-C; ``/health`` answers once the model is loaded. With
 ``--load-format dummy`` (SGLang's name) only DIR's config.json is read and the weights are
@@ -19,13 +19,13 @@ import os
 import signal
 import threading
 
+from megatron_grpo.embedded.auth import check_api_key
+from megatron_grpo.embedded.server import start_embedded_server
 from megatron_grpo.heap import freeze_startup_objects
-from megatron_grpo.rollout.embedded.auth import check_api_key
-from megatron_grpo.rollout.embedded.server import start_embedded_server
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megatron_grpo.rollout.embedded")
+    parser = argparse.ArgumentParser(prog="python -m megatron_grpo.embedded")
     parser.add_argument("--model-path", required=True, help="a Hugging Face model directory")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000)

@@ -1,7 +1,7 @@
 """What the weight updates rebuild of SGLang's internals, and the check that it still holds.
 
 SGLang is never imported by the trainer (the server has its own environment), but two of
-its internals are mirrored here and in ``sglang_weights``, and both fail late if SGLang
+its internals are mirrored here and in ``update_group``, and both fail late if SGLang
 changes them: the broadcast group would hang until its timeout, a tensor update would be
 refused by the server's unpickler.
 
@@ -10,13 +10,13 @@ refused by the server's unpickler.
   ``PrefixStore(group_name)`` and hands it to torch's ``_new_process_group_helper``, which
   prefixes it again with ``"{group_name}/"`` and ``"{device}/"``. The trainer's end is
   built from the same prefixes, without registering anything with torch.distributed.
-- The ``/update_weights_from_tensor`` payload (``sglang_weights.serialize_for_sglang``):
+- The ``/update_weights_from_tensor`` payload (``update_group.serialize_for_sglang``):
   what ``MultiprocessingSerializer.deserialize`` reads, through ``SafeUnpickler``.
 
 ``check_server`` runs when the trainer first learns an SGLang server's release (from its
 ``/server_info``, ``server_kinds``): on the tested release it does nothing; on another
 it checks ``SGLANG``'s targets where sglang is importable at that release, and warns
-that they are unchecked where it is not (``python -m megatron_grpo.rollout.sglang_compat``
+that they are unchecked where it is not (``python -m megatron_grpo.sglang_api.compat``
 in the server's environment checks them there).
 """
 
@@ -35,7 +35,7 @@ _UPDATER = "sglang.srt.model_executor.model_runner_components.weight_updater"
 SGLANG = Library(
     distribution="sglang",
     tested="0.5.23",
-    compat_module="megatron_grpo/rollout/sglang_compat.py",
+    compat_module="megatron_grpo/sglang_api/compat.py",
     targets=(
         Target(
             _UPDATER,
@@ -65,7 +65,7 @@ SGLANG = Library(
         Target(
             _COMMON,
             "MultiprocessingSerializer.deserialize",
-            "reads /update_weights_from_tensor payloads: sglang_weights.serialize_for_sglang",
+            "reads /update_weights_from_tensor payloads: update_group.serialize_for_sglang",
             params=("data",),
         ),
         Target(
@@ -106,7 +106,7 @@ def check_server(version: str) -> None:
         f"an SGLang {version} server receives the weights; megatron_grpo was tested with "
         f"{SGLANG.tested}, and sglang {version} is not importable here, so the internals of "
         f"it that the weight updates rebuild are unchecked:\n  - {unchecked}\nCheck them in "
-        "the server's environment: python -m megatron_grpo.rollout.sglang_compat",
+        "the server's environment: python -m megatron_grpo.sglang_api.compat",
         UntestedRelease,
         stacklevel=2,
     )

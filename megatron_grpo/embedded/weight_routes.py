@@ -20,9 +20,9 @@ from typing import Any
 import torch
 from aiohttp import web
 
-from megatron_grpo.rollout.embedded.engine import GenerationEngine
-from megatron_grpo.rollout.embedded.weights import copy_into_model, hf_weights
-from megatron_grpo.rollout.sglang_weights import UpdateGroup, open_update_group
+from megatron_grpo.embedded.engine import GenerationEngine
+from megatron_grpo.embedded.weights import copy_into_model, hf_weights
+from megatron_grpo.sglang_api.update_group import UpdateGroup, open_update_group
 
 
 def outcome(success: bool, message: str) -> web.Response:
