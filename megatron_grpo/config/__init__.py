@@ -171,8 +171,8 @@ class Config:
                 f"data.max_prompt_length + rollout.max_new_tokens (or eval.max_new_tokens) = "
                 f"{longest}"
             )
-        if self.data.max_prompt_length is None:
-            self.data.max_prompt_length = self._room_for_prompts()
+        if self.data.max_prompt_length is None and self.rollout.replay_dir is None:
+            self.data.max_prompt_length = self._room_for_prompts()  # (replayed: no prompts)
 
     def _room_for_prompts(self) -> int:
         """The longest prompt whose sample fits the context and a micro-batch: the default

@@ -338,7 +338,8 @@ class DataConfig:
     """Longest prompt, in tokens after templating. None (the default): the room a context
     leaves for a prompt, ``min(model.max_position_embeddings - max(rollout.max_new_tokens,
     eval.max_new_tokens), train.max_tokens_per_micro_batch - rollout.max_new_tokens)``, set
-    when the config is built (the resolved config shows it)."""
+    when the config is built (the resolved config shows it); unset with
+    ``rollout.replay_dir``, which reads no prompts."""
     overlong_prompts: Literal["filter", "error"] = "filter"
     """What a prompt longer than ``max_prompt_length`` does. ``filter`` (the default): it is
     not in the dataset, on every process alike, and loading says how many were dropped in one
