@@ -35,10 +35,11 @@ def report():
 @pytest.mark.parametrize("layout", [str(x) for x in LAYOUTS])
 def test_gradient_update_grad_norm_and_replicas_match_single_process(report, layout):
     cases = report[0][layout]
-    # every mode: 1 and 3 micro-batches, in order and permuted, permuted + packed, and the
-    # batch with an empty DP rank; 2 passes
-    assert len(cases) == len(MODES) * 6 * 2
+    # every mode: 1 and 3 micro-batches, in order and permuted, permuted + packed, the
+    # batch with an empty DP rank, and the sparse-groups batch at 1 and 3; 2 passes
+    assert len(cases) == len(MODES) * 8 * 2
     assert sum("/empty-rank/" in name for name in cases) == len(MODES) * 2
+    assert sum("/sparse-groups/" in name for name in cases) == len(MODES) * 2 * 2
     bad = {name: e for name, e in cases.items() if max(e.values()) > TOLERANCE}
     assert not bad, bad
 
@@ -83,7 +84,7 @@ def test_check_catches_planted_bugs(bug, layout):
 def test_the_single_process_gradient_equals_one_computed_outside_megatron_core(report):
     """transformers with the same weights and the loss written from its definition."""
     errors = report[0][REFERENCE]
-    assert sorted(errors) == sorted(MODES)
+    assert sorted(errors) == sorted([*MODES, *(f"{m}/sparse-groups" for m in MODES)])
     assert all(e["grad"] < TOLERANCE for e in errors.values()), errors
     assert any("vs transformers" in line for line in report[1])
 

@@ -13,9 +13,12 @@ def planted_bug_layout(*, bug: str, **kwargs):
     """run_layout with a bug planted in the trainer's code, to show the check catches it.
 
     The normalization bugs are ones peers shipped; the planner bug deals one sample
-    to two DP ranks; ``token-count-division`` scales every layout alike (only the
-    reference outside megatron-core sees it); ``unreduced-norm-grad`` leaves one TP
-    rank's sequence-parallel norm gradients unreduced (the replica comparison sees it).
+    to two DP ranks, and ``rank-local-group-ids`` has each DP rank number the prompt
+    groups it holds 0, 1, ... (the count vector keeps the batch's size, so the all-reduce
+    adds different groups' counts together without an error); ``token-count-division``
+    scales every layout alike (only the reference outside megatron-core sees it);
+    ``unreduced-norm-grad`` leaves one TP rank's sequence-parallel norm gradients
+    unreduced (the replica comparison sees it).
     """
     import megatron_grpo.algo.loss as loss
     import megatron_grpo.train.plan as planner
@@ -50,6 +53,18 @@ def planted_bug_layout(*, bug: str, **kwargs):
             return ranks
 
         planner.balance = balance
+    elif bug == "rank-local-group-ids":
+        original_plan = step.plan_micro_batches
+
+        def plan_numbering_groups_per_rank(batch, ctx, settings):
+            micro_batches = original_plan(batch, ctx, settings)
+            held = sorted({int(g) for mb in micro_batches for g in mb.group_ids})
+            local = {g: i for i, g in enumerate(held)}
+            for mb in micro_batches:
+                mb.group_ids = torch.tensor([local[int(g)] for g in mb.group_ids], dtype=torch.long)
+            return micro_batches
+
+        step.plan_micro_batches = plan_numbering_groups_per_rank
     elif bug == "token-count-division":  # megatron's per-token division let through
         import megatron_grpo.mcore.compat as mcore_compat
 

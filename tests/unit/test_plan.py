@@ -79,7 +79,7 @@ def test_check_invariance_lays_out_a_dp_rank_without_loss_tokens():
     gets only the fully masked sample, and the ranks get different micro-batch counts."""
     from megatron_grpo.commands.invariance.cases import Variant
 
-    variant = Variant(1, empty_rank=True)
+    variant = Variant(1, global_batch="empty-rank")
     batch = variant.batch(vocab_size=100)
     lengths = [len(s) for s in batch]
     split = plan(lengths, dp_size=2, max_tokens=variant.token_budget(lengths, 2), packed=False)
@@ -89,6 +89,40 @@ def test_check_invariance_lays_out_a_dp_rank_without_loss_tokens():
     ]
     assert sorted(loss_tokens)[0] == 0 and sorted(loss_tokens)[1] > 0
     assert sorted(len(rank) for rank in split.ranks) == [1, 2]
+
+
+@pytest.mark.parametrize("dp_size", [2, 4])
+@pytest.mark.parametrize("num_micro_batches", [1, 3])
+def test_check_invariance_scatters_prompt_groups_over_dp_ranks(dp_size, num_micro_batches):
+    """check-invariance's sparse-groups batch, through the trainer's planner: the ranks hold
+    prompt groups as they do at scale (a few of many), so group ids numbered per rank would
+    name other groups than the batch's, and the one DP all-reduce would add them up."""
+    from megatron_grpo.commands.invariance.cases import SPARSE_GROUP_SIZES, Variant
+
+    variant = Variant(num_micro_batches, global_batch="sparse-groups")
+    batch = variant.batch(vocab_size=100)
+    lengths = [len(s) for s in batch]
+    budget = variant.token_budget(lengths, dp_size)
+    split = plan(lengths, dp_size=dp_size, max_tokens=budget, packed=False)
+    num_groups = len(SPARSE_GROUP_SIZES)
+    held = [[batch[i].group for mb in rank for row in mb for i in row] for rank in split.ranks]
+    per_group = [[rank.count(g) for rank in held] for g in range(num_groups)]
+
+    assert all(len(set(rank)) < num_groups for rank in held)  # every rank lacks some group
+    assert len({frozenset(rank) for rank in held}) == dp_size  # no two ranks hold the same
+    assert any(sum(c > 0 for c in counts) == 1 and sum(counts) > 1 for counts in per_group)
+    assert any(len({c for c in counts if c}) > 1 for counts in per_group)  # split unevenly
+    renumbered = [sorted(set(rank)) != list(range(len(set(rank)))) for rank in held]
+    assert all(renumbered) if dp_size == 4 else any(renumbered)
+    if num_micro_batches > 1:  # some group's samples on one rank fall in several micro-batches
+        assert any(
+            len({k for k, mb in enumerate(rank) for row in mb for i in row if batch[i].group == g})
+            > 1
+            for rank in split.ranks
+            for g in range(num_groups)
+        )
+    last = [s for s in batch if s.group == num_groups - 1]
+    assert len(last) == 1 and last[0].num_loss_tokens == 0  # a group P does not count
 
 
 def test_split_to_count_halves_then_idles():

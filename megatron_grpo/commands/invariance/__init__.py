@@ -10,9 +10,11 @@ behaviour and reference log-probs are frozen, the loss weights come from one DP
 all-reduce, and two optimizer passes run over the batch (mu = 2, so the second
 pass is off-policy: ratios differ from 1 and clip). Each layout runs with token
 budgets that give 1 and several micro-batches per rank, in the given order and
-under a permutation of the samples, and packed; ``features`` switch on the
-distributed optimizer, sequence parallelism, recomputation, a virtual pipeline
-or bf16 where the layout allows (``cases.FEATURES``).
+under a permutation of the samples, and packed. Two more batches are laid out by the
+same planner: one leaves a DP rank without loss tokens, one scatters its prompt groups
+over the DP ranks as at scale (each rank holds a few, no two the same). ``features``
+switch on the distributed optimizer, sequence parallelism, recomputation, a virtual
+pipeline or bf16 where the layout allows (``cases.FEATURES``).
 
 For each pass, the full gradient, the parameter update (plain SGD, or Adam with
 an eps that keeps it proportional to the gradient: Adam's usual first step is

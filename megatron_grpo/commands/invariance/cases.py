@@ -16,6 +16,10 @@ from megatron_grpo.config import LossConfig, ModelConfig, OptimConfig, ParallelD
 
 GROUP_SIZES = (4, 3, 3, 2)
 """Uneven prompt groups: 12 sequences, 4 groups."""
+SPARSE_GROUP_SIZES = (5, 4, 3, 2, 1, 1)
+"""The sparse-groups batch: 16 sequences, 6 groups, scattered over the DP ranks."""
+SPARSE_GROUPS_SEED = 26
+"""Chosen so that the planner lays the batch out as ``sparse_groups_batch`` says."""
 MAX_COMPLETION = 10
 NUM_ITERATIONS = 2
 """Optimizer passes over the batch: the second runs on moved weights (ratios != 1)."""
@@ -203,10 +207,39 @@ def fixed_batch(vocab_size: int, seed: int = 0) -> list[Sample]:
     The rollout log-probs are what a random model of this vocabulary gives
     (-log V) plus noise, so importance weights spread around 1 and some truncate.
     """
+    return _grouped_batch(GROUP_SIZES, vocab_size, seed, fully_masked=5, tool_span=2)
+
+
+def sparse_groups_batch(vocab_size: int, seed: int = SPARSE_GROUPS_SEED) -> list[Sample]:
+    """A global batch whose prompt groups the planner scatters as it does at scale, where
+    a group's samples land on a few of many DP ranks: at DP2 and DP4 every rank lacks
+    some groups and no two ranks hold the same ones, a group lies whole on one rank, others
+    are split unevenly over ranks and (3 micro-batches a rank) over micro-batches, and the
+    last group's only sample is fully masked (a group P does not count, on one rank).
+
+    Group ids that were numbered per rank (each rank's groups 0, 1, ...) would then name
+    different groups on different ranks in the DP all-reduce of the counts.
+    ``tests/unit/test_plan.py`` holds the trainer's planner to this layout.
+    """
+    last = sum(SPARSE_GROUP_SIZES) - 1
+    return _grouped_batch(SPARSE_GROUP_SIZES, vocab_size, seed, fully_masked=last, tool_span=1)
+
+
+def _grouped_batch(
+    group_sizes: tuple[int, ...],
+    vocab_size: int,
+    seed: int,
+    *,
+    fully_masked: int,
+    tool_span: int,
+) -> list[Sample]:
+    """Groups of samples of one prompt each, in group order, random lengths; sample
+    ``fully_masked`` has no loss token and ``tool_span`` (if 4 tokens long or more) a
+    masked tool-output span inside its completion."""
     g = torch.Generator().manual_seed(seed)
     samples = []
     sample_id = 0
-    for group, size in enumerate(GROUP_SIZES):
+    for group, size in enumerate(group_sizes):
         prompt = torch.randint(
             1, vocab_size, (int(torch.randint(3, 7, (1,), generator=g)),), generator=g
         )
@@ -214,9 +247,9 @@ def fixed_batch(vocab_size: int, seed: int = 0) -> list[Sample]:
             n = int(torch.randint(1, MAX_COMPLETION + 1, (1,), generator=g))
             completion = torch.randint(1, vocab_size, (n,), generator=g)
             mask = torch.cat([torch.zeros(len(prompt)), torch.ones(n)])
-            if sample_id == 5:  # fully masked (e.g. truncated and filtered)
+            if sample_id == fully_masked:  # e.g. truncated and filtered
                 mask.zero_()
-            if sample_id == 2 and n >= 4:  # a tool-output span inside the completion
+            if sample_id == tool_span and n >= 4:
                 mask[len(prompt) + 1 : len(prompt) + 3] = 0
             reward = float(torch.randint(0, 2, (1,), generator=g))
             noise = 0.3 * torch.randn(n, generator=g)
@@ -269,33 +302,53 @@ def permutation(num_samples: int, seed: int = 1) -> list[int]:
     return torch.randperm(num_samples, generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+GlobalBatch = Literal["fixed", "empty-rank", "sparse-groups"]
+"""Which global batch a case trains: ``fixed_batch``, ``empty_rank_batch`` or
+``sparse_groups_batch``."""
+_BATCHES = {
+    "fixed": fixed_batch,
+    "empty-rank": empty_rank_batch,
+    "sparse-groups": sparse_groups_batch,
+}
+
+
 @dataclass(frozen=True)
 class Variant:
-    """How the global batch is laid out: micro-batches per rank, order, packing."""
+    """How a global batch is laid out: micro-batches per rank, order, packing."""
 
     num_micro_batches: int
     """Target micro-batches per rank: sets the token budget the planner splits under."""
     permuted: bool = False
     packed: bool = False
-    empty_rank: bool = False
-    """The batch of ``empty_rank_batch`` under the budget of its longest sample (one DP
-    rank without loss tokens at DP2), instead of ``fixed_batch``."""
+    global_batch: GlobalBatch = "fixed"
+    """``empty-rank`` runs under the budget of its longest sample (one DP rank without loss
+    tokens at DP2), whatever ``num_micro_batches``."""
 
     def __str__(self) -> str:
-        if self.empty_rank:
+        if self.global_batch == "empty-rank":
             return "empty-rank"
         order = "perm" if self.permuted else "orig"
-        return f"mb{self.num_micro_batches}/{order}" + ("/packed" if self.packed else "")
+        layout = f"mb{self.num_micro_batches}/{order}" + ("/packed" if self.packed else "")
+        return layout if self.global_batch == "fixed" else f"{self.global_batch}/{layout}"
+
+    @staticmethod
+    def global_batch_of(name: str) -> GlobalBatch:
+        """The global batch of a variant, from its name (``str``)."""
+        named: dict[str, GlobalBatch] = {
+            "empty-rank": "empty-rank",
+            "sparse-groups": "sparse-groups",
+        }
+        return named.get(name.split("/")[0], "fixed")
 
     def batch(self, vocab_size: int) -> list[Sample]:
-        return empty_rank_batch(vocab_size) if self.empty_rank else fixed_batch(vocab_size)
+        return _BATCHES[self.global_batch](vocab_size)
 
     def token_budget(self, lengths: list[int], dp_size: int) -> int:
         """The micro-batch token budget that gives about ``num_micro_batches`` per rank.
 
         Budgets count padded positions: unpacked rows are as wide as the longest.
         """
-        if self.empty_rank:
+        if self.global_batch == "empty-rank":
             return max(lengths)
         positions = sum(lengths) if self.packed else max(lengths) * len(lengths)
         return max(max(lengths), math.ceil(positions / (dp_size * self.num_micro_batches)))
@@ -306,12 +359,12 @@ def variants(
 ) -> list[Variant]:
     """Each micro-batch count in order; then permuted; then permuted and packed; then the
     batch with an empty rank (not under VPP: a rank of one sample cannot make PP
-    micro-batches)."""
+    micro-batches); then the batch with sparse groups, each micro-batch count in order."""
     out = [Variant(n) for n in micro_batch_counts]
     if permute:
         out += [Variant(n, permuted=True) for n in micro_batch_counts]
     if pack:
         out.append(Variant(micro_batch_counts[-1], permuted=permute, packed=True))
     if empty_rank:
-        out.append(Variant(1, empty_rank=True))
-    return out
+        out.append(Variant(1, global_batch="empty-rank"))
+    return out + [Variant(n, global_batch="sparse-groups") for n in micro_batch_counts]

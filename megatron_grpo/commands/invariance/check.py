@@ -66,11 +66,11 @@ def compare(case: dict[str, Any], ref: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def _baseline_name(name: str, first: Variant) -> str:
-    """The reference case of a case: the same mode and pass at 1x1x1, of the first variant
-    (the same batch laid out otherwise) or, for the empty-rank batch, of that batch."""
-    mode, *layout, step = name.split("/")
-    same_batch = first if layout != [str(Variant(1, empty_rank=True))] else layout[0]
+def _baseline_name(name: str, first: int) -> str:
+    """The reference case of a case: the same mode and pass at 1x1x1, of the same global
+    batch in its first variant (``first`` micro-batches, in order)."""
+    mode, *variant, step = name.split("/")
+    same_batch = Variant(first, global_batch=Variant.global_batch_of("/".join(variant)))
     return f"{mode}/{same_batch}/{step}"
 
 
@@ -90,12 +90,14 @@ def check(
 ) -> dict[str, dict[str, dict[str, float]]]:
     """errors[layout][case] = {grad, update, grad_norm, replicas}, each case against 1x1x1,
     and errors["transformers"][mode] = {grad}: the reference's first pass against the
-    gradient computed outside megatron-core.
+    gradient computed outside megatron-core (of the fixed batch; under
+    ``mode/sparse-groups``, of the sparse-groups batch).
 
-    The reference of every case is the single-process run of the same mode and pass with
-    the first micro-batch count, in the original order, without the layout features. A
-    1x1x1 listed in ``layouts`` with features that apply to one process (bf16,
-    recomputation) is a launch of its own with them, compared with that reference.
+    The reference of every case is the single-process run of the same mode and pass on the
+    same global batch, with the first micro-batch count, in the original order, without
+    the layout features. A 1x1x1 listed in ``layouts`` with features that apply to one
+    process (bf16, recomputation) is a launch of its own with them, compared with that
+    reference.
     ``worker`` ("module:function" taking run_layout's arguments and ``worker_kwargs``)
     replaces the worker body, e.g. to plant a bug and see the check catch it.
     """
@@ -130,15 +132,17 @@ def check(
 
     reference = launch(Layout(1, 1, 1), None)
     log(_exercised(reference["cases"]))
-    first = Variant(micro_batch_counts[0])
 
-    def first_pass(mode: str) -> dict[str, torch.Tensor]:
+    def first_pass(key: str) -> dict[str, torch.Tensor]:
+        """The reference run's first-pass gradient of ``mode`` or ``mode/batch``."""
+        mode, _, batch = key.partition("/")
+        first = Variant(micro_batch_counts[0], global_batch=Variant.global_batch_of(batch))
         return reference["cases"][f"{mode}/{first}/pass1"]["grad"]
 
     errors: dict[str, dict[str, dict[str, float]]] = {
         REFERENCE: {
-            mode: {"grad": max_relative_error(_canonical(first_pass(mode)), g)}
-            for mode, g in reference["transformers"].items()
+            key: {"grad": max_relative_error(_canonical(first_pass(key)), g)}
+            for key, g in reference["transformers"].items()
         }
     }
     log(_reference_line(errors[REFERENCE]))
@@ -149,7 +153,7 @@ def check(
     for layout in [single] + [x for x in layouts if x != single]:
         cases = reference if layout == single and not featured else launch(layout, reference)
         errors[str(layout)] = {
-            name: compare(case, reference["cases"][_baseline_name(name, first)])
+            name: compare(case, reference["cases"][_baseline_name(name, micro_batch_counts[0])])
             for name, case in cases["cases"].items()
         }
         log(_summary(str(layout), errors[str(layout)], cases))
@@ -180,5 +184,20 @@ def _summary(layout: str, errors: dict[str, dict[str, float]], result: dict[str,
     features = ", ".join(result["active"]) or "none"
     return (
         f"layout {layout:>7} (features: {features}): {len(errors)} cases, max |delta|/max|g|: "
-        f"{shown}; micro-batches per DP rank {', '.join('/'.join(map(str, c)) for c in counts)}"
+        f"{shown}; {_groups_held(result['cases'])}; "
+        f"micro-batches per DP rank {', '.join('/'.join(map(str, c)) for c in counts)}"
     )
+
+
+def _groups_held(cases: dict[str, dict[str, Any]]) -> str:
+    """How many of the sparse-groups batch's prompt groups each DP rank held."""
+    held = [
+        (len(groups), len(set().union(*case["groups"])))
+        for name, case in cases.items()
+        if Variant.global_batch_of(name.split("/", 1)[1]) == "sparse-groups"
+        for groups in case["groups"]
+    ]
+    if not held:
+        return "no sparse-groups case"
+    counts = sorted({h for h, _ in held})
+    return f"sparse-groups: {counts[0]}-{counts[-1]} of {held[0][1]} prompt groups per DP rank"

@@ -19,7 +19,8 @@ def add_parser(sub, add_config_args: Callable[[argparse.ArgumentParser], None]) 
         "(its planner, frozen old and reference log-probs, two optimizer passes) at each "
         "DPxTPxPP[xEP[xCP]] layout (multi-process gloo on CPU, nccl on GPU), with several "
         "micro-batch "
-        "counts, a permutation of samples and packing, and compare gradients, updates, grad "
+        "counts, a permutation of samples, packing, a DP rank without loss tokens and prompt "
+        "groups scattered over DP ranks, and compare gradients, updates, grad "
         "norms and replicas of each pass against the single-process run; that run is "
         "compared with the gradient computed by transformers and the loss from its "
         "definition. Features: " + "; ".join(f"{name}: {text}" for name, text in FEATURES.items()),

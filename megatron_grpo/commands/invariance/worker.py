@@ -14,8 +14,8 @@ from megatron_grpo.commands.invariance.cases import (
     NUM_ITERATIONS,
     REF_NOISE,
     Layout,
+    Variant,
     default_loss,
-    fixed_batch,
     permutation,
     setup,
     variants,
@@ -80,11 +80,10 @@ def _passes(before: list, final: dict, history: list, micro_batches: list[int]) 
     return out
 
 
-def _outside_megatron(init_state: dict, ref_state: dict, run, mode: str) -> dict:
-    """The first pass's gradient on the fixed batch, computed with transformers."""
+def _outside_megatron(init_state: dict, ref_state: dict, run, mode: str, batch: list) -> dict:
+    """The first pass's gradient on ``batch``, computed with transformers."""
     from megatron_grpo.commands.invariance.reference import reference_gradient
 
-    batch = fixed_batch(run.model.vocab_size)
     loss = default_loss(mode)
     return reference_gradient(init_state, ref_state, batch, run.model, loss, max_len=MAX_COMPLETION)
 
@@ -132,6 +131,8 @@ def run_layout(
     # Transformer Engine takes packed (THD) rows in 16-bit only: in float32 there, no packing.
     pack = pack and (run.model.params_dtype != "float32" or not have_transformer_engine())
     layouts = variants(micro_batch_counts, permute, pack, empty_rank="vpp" not in run.active)
+    # the first variant of the fixed and the sparse-groups batch, also computed outside
+    outside = [Variant(micro_batch_counts[0], global_batch=b) for b in ("fixed", "sparse-groups")]
     for mode, variant in itertools.product(modes, layouts):
         load_full_state(model, init_state, run.model, ctx)
         optimizer, scheduler = build_optimizer(run.optim, run.model, model, ctx)  # fresh state
@@ -166,8 +167,14 @@ def run_layout(
         budget = settings.max_tokens_per_micro_batch
         split = plan(lengths, dp_size=ctx.dp_size, max_tokens=budget, packed=variant.packed)
         counts = [len(rank) for rank in split.ranks]
+        groups = [
+            sorted({batch[i].group for mb in r for row in mb for i in row}) for r in split.ranks
+        ]
         for k, case in enumerate(_passes(before, final, history, counts), start=1):
-            results["cases"][f"{mode}/{variant}/pass{k}"] = case
-        if is_reference and variant == layouts[0]:
-            results["transformers"][mode] = _outside_megatron(init_state, ref_state, run, mode)
+            results["cases"][f"{mode}/{variant}/pass{k}"] = case | {"groups": groups}
+        if is_reference and variant in outside:
+            key = mode if variant.global_batch == "fixed" else f"{mode}/{variant.global_batch}"
+            results["transformers"][key] = _outside_megatron(
+                init_state, ref_state, run, mode, samples
+            )
     return results if ctx.is_main else None
