@@ -139,7 +139,7 @@ class Config:
 
     def __post_init__(self) -> None:
         check_moe_layout(self.model, self.parallel, self.train.recompute_granularity)
-        self.train.gates.resolve_defaults(self.model.params_dtype)
+        self.train.gates.resolve_defaults(self.model.params_dtype, self.rollout.max_staleness)
         rollout_batch = self.rollout.prompts_per_step * self.rollout.samples_per_prompt
         if self.train.global_batch_size is None:  # the default, resolved here once
             self.train.global_batch_size = rollout_batch

@@ -155,7 +155,7 @@ GATE_DEFAULTS: dict[str, dict[str, float]] = {
     },
 }
 """The gates' thresholds by ``model.params_dtype`` (see ``GatesConfig`` for the figures
-behind them)."""
+behind them); ``stop_mismatch`` per step of policy lag (1 + ``rollout.max_staleness``)."""
 
 
 @dataclass(kw_only=True)
@@ -168,11 +168,12 @@ class GatesConfig:
     before the optimizer consumes its gradients: a figure above its threshold stops the
     run with one line naming it, and nothing of that step is trained. Every later step
     stops on ``stop_mismatch``. Each threshold: None (the default) takes the value for
-    ``model.params_dtype`` (``GATE_DEFAULTS``; config.yaml shows it resolved), 0 turns the
-    gate off. A resume may change them. Replayed samples (``rollout.replay_dir``) pass no
-    gate: another run's engines made them.
+    ``model.params_dtype`` (``GATE_DEFAULTS``; the stop threshold times 1 +
+    ``rollout.max_staleness``; config.yaml shows them resolved), 0 turns the gate off. A
+    resume may change them. Replayed samples (``rollout.replay_dir``) pass no gate:
+    another run's engines made them.
 
-    Measured on the CPU demos (2 processes, 10 steps each; docs/reliability.md): with a
+    Measured on the CPU demos (2 processes, 10 steps each; docs/options.md): with a
     float32 learner and engine, the dense, MoE and tool demos' mean |learner - engine|
     log-prob is 1e-7 to 8e-7, its largest token 1.4e-6 (dense, MoE) and 6.4e-5 (tool),
     |rollout_kl| at most 1.3e-7. A bfloat16 learner beside the float32 engine: mean 2e-3 to
@@ -201,11 +202,12 @@ class GatesConfig:
     stop_mismatch: float | None = None
     """Largest ``train/logprob_mismatch`` at every later step: a mismatch that runs away
     (an engine that stops taking the pushes, numerics that drift) ends the run. With
-    ``rollout.max_staleness`` >= 1 it also holds the policy lag. None: 0.5, generous: the
-    demos stay at 1e-7 synchronous and reach 0.16 one or two steps stale (at the demo's
-    lr 1e-3); an engine that stopped taking pushes passes it at the demo's step 5; one
-    reported bf16 slime run went from 0.011 to 0.036 in 30 steps. Raise it for a longer
-    staleness."""
+    ``rollout.max_staleness`` k >= 1 it also holds the policy lag of up to k steps. None:
+    0.5 x (1 + k), generous: synchronous, the demos stay at 1e-7 and an engine that stopped
+    taking pushes passes 0.5 at the demo's step 5 (one reported bf16 slime run went from
+    0.011 to 0.036 in 30 steps); asynchronous at the demos' lr 1e-3, the dense demo reaches
+    0.16 (k = 1, 2; 256 samples a step) and tests/e2e/test_async.py's run 0.65 (k = 2, 16
+    samples a step, an engine killed), under its 1.5."""
 
     def __post_init__(self) -> None:
         for name, value in self.thresholds().items():
@@ -215,12 +217,14 @@ class GatesConfig:
     def thresholds(self) -> dict[str, float | None]:
         return {name: getattr(self, name) for name in GATE_DEFAULTS["float32"]}
 
-    def resolve_defaults(self, params_dtype: str) -> None:
-        """Fill the thresholds left None with ``params_dtype``'s (float16 as bfloat16)."""
+    def resolve_defaults(self, params_dtype: str, max_staleness: int) -> None:
+        """Fill the thresholds left None with ``params_dtype``'s (float16 as bfloat16), the
+        stop threshold widened for ``max_staleness`` steps of policy lag."""
         defaults = GATE_DEFAULTS["float32" if params_dtype == "float32" else "bfloat16"]
         for name, value in self.thresholds().items():
             if value is None:
-                setattr(self, name, defaults[name])
+                lag = 1 + max_staleness if name == "stop_mismatch" else 1
+                setattr(self, name, defaults[name] * lag)
 
 
 @dataclass(kw_only=True)

@@ -134,6 +134,9 @@ def test_defaults_follow_the_dtype_and_a_resume_may_change_them():
     assert bf16.train.gates.first_step_mismatch == 0.1
     assert bf16.train.gates.first_step_mismatch_max == 10.0
     assert bf16.train.gates.stop_mismatch == 0.5
+    stale = load_config(overrides=["rollout.max_staleness=2"])  # 2 steps of policy lag more
+    assert stale.train.gates.stop_mismatch == 1.5
+    assert stale.train.gates.first_step_mismatch == 1e-3  # the first step is on policy
     given = load_config(overrides=["train.gates.first_step_mismatch=0"])
     assert given.train.gates.first_step_mismatch == 0  # off, not the default
     with pytest.raises(ValueError, match="train.gates.stop_mismatch must be >= 0"):
