@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_grpo.algo.batch import MicroBatch, Sample
-from megatron_grpo.algo.loss import METRIC_SUMS
+from megatron_grpo.algo.loss import METRIC_MAXES, METRIC_SUMS
 from megatron_grpo.config import LossConfig, ModelConfig
 from megatron_grpo.mcore.parallel import ParallelContext
 from megatron_grpo.train.step import StepSettings, plan_micro_batches
@@ -122,7 +122,8 @@ def ce_loss(batch: MicroBatch, logits: torch.Tensor, *, scale: float):
     loss = (per_token * mask).sum() * scale
     num_tokens = mask.sum()
     zero = loss.new_zeros(())
-    metrics = {k: zero for k in METRIC_SUMS} | {"loss": loss.detach(), "tokens": num_tokens}
+    metrics = {k: zero for k in METRIC_SUMS + METRIC_MAXES}
+    metrics |= {"loss": loss.detach(), "tokens": num_tokens}
     return loss, num_tokens.to(torch.int), metrics
 
 

@@ -28,8 +28,21 @@ from megatron_grpo.algo.logprobs import vocab_parallel_logprobs
 from megatron_grpo.algo.normalization import global_counts, sequence_weights
 from megatron_grpo.config import LossConfig
 
-METRIC_SUMS = ("tokens", "clipped", "kl", "entropy", "mismatch", "is_rejected")
-"""Per-micro-batch sums over loss tokens returned as metrics (divide by "tokens")."""
+METRIC_SUMS = (
+    "tokens",
+    "clipped",
+    "kl",
+    "entropy",
+    "is_rejected",
+    "rollout_tokens",
+    "mismatch",
+    "rollout_kl",
+)
+"""Per-micro-batch sums over loss tokens returned as metrics (divide by "tokens"; those
+that compare with the engine's log-probs by "rollout_tokens", the loss tokens that have
+them)."""
+METRIC_MAXES = ("mismatch_max",)
+"""Per-micro-batch maxima over loss tokens returned as metrics."""
 
 
 def scaled_loss(per_token: Tensor, mask: Tensor, token_weights: Tensor) -> Tensor:
@@ -119,10 +132,12 @@ def grpo_loss(
         dual_clip=cfg.dual_clip,
     )
     zeros = torch.zeros_like(mask)
-    mismatch, rejected = zeros, zeros
+    mismatch, rollout_kl, rejected, rollout_mask = zeros, zeros, zeros, zeros
     rollout_logp = batch.rollout_logprobs
     if rollout_logp is not None:
+        rollout_mask = mask
         mismatch = policy_loss.mismatch(learner_old, rollout_logp, mask)
+        rollout_kl = policy_loss.rollout_log_ratio(learner_old, rollout_logp, mask)
         if cfg.tis_level is not None:
             is_weights, rejected = policy_loss.importance_weights(
                 learner_old,
@@ -155,8 +170,11 @@ def grpo_loss(
             "clipped": (clipped * mask).sum(),
             "kl": (kl.detach() * mask).sum(),
             "entropy": (entropy.detach() * mask).sum(),
-            "mismatch": mismatch.sum(),
             "is_rejected": rejected.sum(),
+            "rollout_tokens": rollout_mask.sum(),
+            "mismatch": mismatch.sum(),
+            "rollout_kl": rollout_kl.sum(),
+            "mismatch_max": mismatch.max() if mismatch.numel() else zeros.new_zeros(()),
         }
     return loss, num_tokens.to(torch.int), metrics
 

@@ -155,3 +155,9 @@ def importance_weights(
 def mismatch(logp_train: Tensor, logp_rollout: Tensor, mask: Tensor) -> Tensor:
     """Per-token |logp_train - logp_rollout| on loss tokens (a metric, no gradient)."""
     return (logp_train.detach() - logp_rollout).abs() * mask
+
+
+def rollout_log_ratio(logp_train: Tensor, logp_rollout: Tensor, mask: Tensor) -> Tensor:
+    """Per-token logp_rollout - logp_train on loss tokens (a metric, no gradient): on the
+    engine's samples its mean is the k1 estimate of KL(engine || learner)."""
+    return (logp_rollout - logp_train.detach()) * mask

@@ -28,6 +28,7 @@ from megatron_grpo.config.eval import EvalConfig, EvalDatasetConfig
 from megatron_grpo.config.init_model import fill_model_section
 from megatron_grpo.config.learner import (
     MODES,
+    GatesConfig,
     LossConfig,
     Mode,
     OptimConfig,
@@ -73,6 +74,7 @@ __all__ = [
     "EvalConfig",
     "EvalDatasetConfig",
     "FormatRewardConfig",
+    "GatesConfig",
     "LossConfig",
     "MetricsConfig",
     "Mode",
@@ -137,6 +139,7 @@ class Config:
 
     def __post_init__(self) -> None:
         check_moe_layout(self.model, self.parallel, self.train.recompute_granularity)
+        self.train.gates.resolve_defaults(self.model.params_dtype, self.rollout.max_staleness)
         rollout_batch = self.rollout.prompts_per_step * self.rollout.samples_per_prompt
         if self.train.global_batch_size is None:  # the default, resolved here once
             self.train.global_batch_size = rollout_batch

@@ -140,6 +140,93 @@ class LossConfig:
             )
 
 
+GATE_DEFAULTS: dict[str, dict[str, float]] = {
+    "float32": {
+        "first_step_mismatch": 1e-3,
+        "first_step_mismatch_max": 0.1,
+        "first_step_rollout_kl": 1e-4,
+        "stop_mismatch": 0.5,
+    },
+    "bfloat16": {
+        "first_step_mismatch": 0.1,
+        "first_step_mismatch_max": 10.0,
+        "first_step_rollout_kl": 0.05,
+        "stop_mismatch": 0.5,
+    },
+}
+"""The gates' thresholds by ``model.params_dtype`` (see ``GatesConfig`` for the figures
+behind them); ``stop_mismatch`` per step of policy lag (1 + ``rollout.max_staleness``)."""
+
+
+@dataclass(kw_only=True)
+class GatesConfig:
+    """On-policy gates: the learner must train the policy that generated its samples.
+
+    At the first on-policy step (step 1 of a fresh run, the first step after a resume: the
+    engines have just been given the learner's weights) the learner's log-probs of the
+    sampled tokens are compared with the engine's, on the RL step's first optimizer step,
+    before the optimizer consumes its gradients: a figure above its threshold stops the
+    run with one line naming it, and nothing of that step is trained. Every later step
+    stops on ``stop_mismatch``. Each threshold: None (the default) takes the value for
+    ``model.params_dtype`` (``GATE_DEFAULTS``; the stop threshold times 1 +
+    ``rollout.max_staleness``; config.yaml shows them resolved), 0 turns the gate off. A
+    resume may change them. Replayed samples (``rollout.replay_dir``) pass no gate:
+    another run's engines made them.
+
+    Measured on the CPU demos (2 processes, 10 steps each; docs/options.md): with a
+    float32 learner and engine, the dense, MoE and tool demos' mean |learner - engine|
+    log-prob is 1e-7 to 8e-7, its largest token 1.4e-6 (dense, MoE) and 6.4e-5 (tool),
+    |rollout_kl| at most 1.3e-7. A bfloat16 learner beside the float32 engine: mean 2e-3 to
+    3.5e-3, largest token up to 0.09, |rollout_kl| up to 2.7e-4. At step 1, an engine that
+    keeps random weights (its updates lost): mean 2.7, largest 5.2, rollout_kl 2.4; trained
+    tokens re-encoded with another vocabulary (end of sequence and padding swapped): mean
+    2.3, largest 6.4, rollout_kl 2.3."""
+
+    first_step_mismatch: float | None = None
+    """Largest ``train/logprob_mismatch`` (the mean over loss tokens of |learner - engine|
+    log-prob) at the first on-policy step. None: 1e-3 for float32 (a thousand times the
+    demos' 1e-7 to 8e-7; below the 2e-3 of one side computing in bf16, so a bf16 engine
+    beside a float32 learner stops too), 0.1 for bfloat16 (slime's CI bound on its
+    train_rollout_logprob_abs_diff; one reported bf16 slime run started at 0.011)."""
+    first_step_mismatch_max: float | None = None
+    """Largest ``train/logprob_mismatch_max`` (|learner - engine| log-prob of the worst loss
+    token) at the first on-policy step: a few tokens far off (a special token with another
+    id) that the mean dilutes. None: 0.1 for float32 (the demos' worst token is 6.4e-5 at
+    most), 10 for bfloat16 (rare tokens of long bf16 generations differ by nats: raise it,
+    or set 0, if a healthy run of yours stops here)."""
+    first_step_rollout_kl: float | None = None
+    """Largest |``train/rollout_kl``| (the mean over loss tokens of engine - learner
+    log-prob: the k1 estimate of KL(engine || learner) on the engine's samples) at the
+    first on-policy step. None: 1e-4 for float32 (the demos are below 1.3e-7), 0.05 for
+    bfloat16."""
+    stop_mismatch: float | None = None
+    """Largest ``train/logprob_mismatch`` at every later step: a mismatch that runs away
+    (an engine that stops taking the pushes, numerics that drift) ends the run. With
+    ``rollout.max_staleness`` k >= 1 it also holds the policy lag of up to k steps. None:
+    0.5 x (1 + k), generous: synchronous, the demos stay at 1e-7 and an engine that stopped
+    taking pushes passes 0.5 at the demo's step 5 (one reported bf16 slime run went from
+    0.011 to 0.036 in 30 steps); asynchronous at the demos' lr 1e-3, the dense demo reaches
+    0.16 (k = 1, 2; 256 samples a step) and tests/e2e/test_async.py's run 0.65 (k = 2, 16
+    samples a step, an engine killed), under its 1.5."""
+
+    def __post_init__(self) -> None:
+        for name, value in self.thresholds().items():
+            if value is not None and not value >= 0:
+                raise ValueError(f"train.gates.{name} must be >= 0 (0: off), got {value}")
+
+    def thresholds(self) -> dict[str, float | None]:
+        return {name: getattr(self, name) for name in GATE_DEFAULTS["float32"]}
+
+    def resolve_defaults(self, params_dtype: str, max_staleness: int) -> None:
+        """Fill the thresholds left None with ``params_dtype``'s (float16 as bfloat16), the
+        stop threshold widened for ``max_staleness`` steps of policy lag."""
+        defaults = GATE_DEFAULTS["float32" if params_dtype == "float32" else "bfloat16"]
+        for name, value in self.thresholds().items():
+            if value is None:
+                lag = 1 + max_staleness if name == "stop_mismatch" else 1
+                setattr(self, name, defaults[name] * lag)
+
+
 @dataclass(kw_only=True)
 class TrainConfig:
     """The RL loop: steps, batch sizes, micro-batching, checkpoints."""
@@ -186,6 +273,8 @@ class TrainConfig:
     that waits longer reports a hang. Rollouts and evaluations are waited for outside
     collectives, so they may take longer; a main rank that stops for this long during one
     is reported."""
+    gates: GatesConfig = field(default_factory=GatesConfig)
+    """On-policy gates: the run stops when the engines' log-probs are not the learner's."""
 
     def __post_init__(self) -> None:
         if self.recompute_num_layers < 1:

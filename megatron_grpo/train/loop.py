@@ -25,7 +25,7 @@ from megatron_grpo.metrics import MetricsLogger, namespaced, over_optimizer_step
 from megatron_grpo.rollout import stage as rollout_stage
 from megatron_grpo.rollout.parts import RolloutParts, RolloutSettings
 from megatron_grpo.rollout.producer import ProducerSpec, RolloutProducer
-from megatron_grpo.train import run_start, save_hf, sources
+from megatron_grpo.train import gates, run_start, save_hf, sources
 from megatron_grpo.train import state as train_state
 from megatron_grpo.train.main_wait import MainRankWork
 from megatron_grpo.train.run_lock import HELD_ENV, RunLock, RunLockedError
@@ -109,6 +109,10 @@ def _train(cfg: Config, ctx, start: run_start.RunStart) -> None:
             t0 = time.perf_counter()
             batch = _step_batch(cfg, ctx, rollout, main_work, step)
             t1 = time.perf_counter()
+            gate = None  # replayed samples: another run's engines made them
+            if rollout is not None:
+                first, resumed = step == start_step + 1, start_step > 0
+                gate = gates.for_step(cfg.train.gates, step=step, first=first, resumed=resumed)
             history = train_on_rollout(
                 model,
                 optimizer,
@@ -118,6 +122,7 @@ def _train(cfg: Config, ctx, start: run_start.RunStart) -> None:
                 cfg.loss,
                 settings,
                 ref_model=ref_model,
+                gate=gate,
             )
             t2 = time.perf_counter()
             # Weight sync and checkpoints read the full parameters: the push brings them up

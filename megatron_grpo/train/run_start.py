@@ -2,7 +2,7 @@
 
 The saved config describes the checkpoints beside it, so a resume may change only what
 does not change what was trained: how long to go on, how often to save, log and evaluate,
-and how long to wait (``RESUMABLE``). Any other difference refuses the resume by name,
+how long to wait and when to stop (``RESUMABLE``). Any other difference refuses the resume by name,
 unless the user asks for it (``train.allow_config_change``). ``config.yaml`` is the
 config the run started with and is never rewritten; a resume whose config differs keeps
 its own beside it, ``config.resume_step_<N>.yaml``, which the next resume compares with.
@@ -31,6 +31,7 @@ RESUMABLE = (
     "train.save_interval",
     "train.save_hf_interval",
     "train.keep_last",
+    "train.gates.",
     "metrics.",
     "eval.",
 )

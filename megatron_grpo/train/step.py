@@ -33,7 +33,7 @@ from megatron_grpo.algo.batch import (
     context_parallel_shard,
 )
 from megatron_grpo.algo.logprobs import vocab_parallel_logprobs
-from megatron_grpo.algo.loss import METRIC_SUMS, grpo_loss, set_loss_weights
+from megatron_grpo.algo.loss import METRIC_MAXES, METRIC_SUMS, grpo_loss, set_loss_weights
 from megatron_grpo.config import LossConfig
 from megatron_grpo.mcore.device import compute_device
 from megatron_grpo.mcore.layers import have_transformer_engine
@@ -233,13 +233,16 @@ def optimizer_step(
     *,
     num_sequences: int,
     on_gradients: Callable[[], None] | None = None,
+    gate: Callable[[dict[str, float | None]], None] | None = None,
 ) -> dict[str, float | None]:
     """One optimizer step on one global batch of ``num_sequences`` sequences; its metrics,
     the same on every rank.
 
-    ``on_gradients`` runs on every rank after the backward passes and the DP
-    reduction, before the optimizer consumes the gradients (check-invariance
-    reads them there). A mixture-of-experts model adds its routers' balance loss
+    ``gate`` is handed the step's loss metrics on every rank after the backward passes,
+    before the optimizer consumes the gradients: it raises to stop the run with nothing
+    trained (``train.gates``). ``on_gradients`` runs on every rank after the backward
+    passes and the DP reduction, before the optimizer (check-invariance reads the
+    gradients there). A mixture-of-experts model adds its routers' balance loss
     (``mcore.router_balance``) and logs it with the experts' load.
     """
     zero_grads(model)
@@ -249,11 +252,13 @@ def optimizer_step(
         balance.start_step(num_sequences)
     on_forward = None if balance is None else balance.set_batch
     per_mb = run_schedule(model, ctx, micro_batches, loss_fn, on_forward=on_forward)
+    metrics = reduce_metrics(per_mb, ctx)
+    if gate is not None:
+        gate(metrics)
     if on_gradients is not None:
         on_gradients()
     _, grad_norm, _ = optimizer.step()
     scheduler.step(1)
-    metrics = reduce_metrics(per_mb, ctx)
     if balance is not None:
         metrics |= balance.step_metrics()
     metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
@@ -272,8 +277,12 @@ def train_on_rollout(
     *,
     ref_model: list | None = None,
     on_gradients: Callable[[], None] | None = None,
+    gate: Callable[[dict[str, float | None]], None] | None = None,
 ) -> list[dict[str, float | None]]:
-    """All optimizer steps of one rollout batch; metrics per step (same on every rank)."""
+    """All optimizer steps of one rollout batch; metrics per step (same on every rank).
+
+    ``gate`` checks the first optimizer step's metrics before its update (``optimizer_step``):
+    there the learner's log-probs are those of the weights the engines were given."""
     batches = [
         plan_micro_batches(b, ctx, settings)
         for b in global_batches(samples, settings.global_batch_size)
@@ -303,9 +312,9 @@ def train_on_rollout(
             loss_fn,
             num_sequences=settings.global_batch_size,
             on_gradients=on_gradients,
+            gate=gate if i == 0 else None,
         )
-        for _ in range(settings.num_iterations)
-        for mbs in batches
+        for i, mbs in enumerate(batches * settings.num_iterations)
     ]
 
 
@@ -313,24 +322,30 @@ def reduce_metrics(per_mb: list[dict[str, Any]], ctx: ParallelContext) -> dict[s
     """Token-mean metrics of one global batch, the same on every rank.
 
     Only one TP rank of each last-stage DP replica contributes, so nothing is
-    counted twice; the sum runs over the whole world so that every rank
-    (first stages included) gets the numbers.
+    counted twice; the sums and maxima run over the whole world so that every rank
+    (first stages included) gets the numbers, the same in the same order.
     """
     keys = ("loss",) + METRIC_SUMS
     totals = torch.zeros(len(keys), dtype=torch.float64)
+    maxima = torch.zeros(len(METRIC_MAXES), dtype=torch.float64)  # of values >= 0
     if ctx.is_last_stage and ctx.tp_rank == 0:
         for mb in per_mb:
             totals += torch.tensor([float(mb[k]) for k in keys], dtype=torch.float64)
-    if ctx.world_size > 1:
-        on_device = totals.to(compute_device())  # nccl reduces GPU tensors only
-        dist.all_reduce(on_device)
-        totals = on_device.cpu()
+            here = torch.tensor([float(mb[k]) for k in METRIC_MAXES], dtype=torch.float64)
+            maxima = torch.maximum(maxima, here)
+    if ctx.world_size > 1:  # one collective: every rank's sums and maxima, added up here
+        local = torch.cat([totals, maxima]).to(compute_device())  # nccl moves GPU tensors only
+        every = [torch.empty_like(local) for _ in range(ctx.world_size)]
+        dist.all_gather(every, local)
+        stacked = torch.stack(every).cpu()
+        totals = stacked[:, : len(keys)].sum(0)
+        maxima = stacked[:, len(keys) :].amax(0)
     sums = dict(zip(keys, totals.tolist()))
-    tokens = sums["tokens"]
+    tokens, rollout_tokens = sums["tokens"], sums["rollout_tokens"]
 
-    def per_token(name: str) -> float | None:
+    def per_token(name: str, count: float = tokens) -> float | None:
         """A mean over loss tokens; None (not measured, logged as null) without any."""
-        return sums[name] / tokens if tokens else None
+        return sums[name] / count if count else None
 
     return {
         "loss": sums["loss"],
@@ -338,6 +353,9 @@ def reduce_metrics(per_mb: list[dict[str, Any]], ctx: ParallelContext) -> dict[s
         "clip_fraction": per_token("clipped"),
         "kl": per_token("kl"),
         "entropy": per_token("entropy"),
-        "logprob_mismatch": per_token("mismatch"),
         "is_rejected_fraction": per_token("is_rejected"),
+        # Against the engine's log-probs: over the loss tokens that have them.
+        "logprob_mismatch": per_token("mismatch", rollout_tokens),
+        "logprob_mismatch_max": float(maxima[0]) if rollout_tokens else None,
+        "rollout_kl": per_token("rollout_kl", rollout_tokens),
     }

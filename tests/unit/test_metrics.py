@@ -178,13 +178,15 @@ def test_an_all_masked_batch_reports_its_token_means_as_not_measured(tmp_path, c
     metrics.jsonl and left off the step line, not a 0.0 that reads as a measurement."""
     from types import SimpleNamespace
 
-    from megatron_grpo.algo.loss import METRIC_SUMS
+    from megatron_grpo.algo.loss import METRIC_MAXES, METRIC_SUMS
     from megatron_grpo.train.step import reduce_metrics
 
     single = SimpleNamespace(is_last_stage=True, tp_rank=0, world_size=1)
-    metrics = reduce_metrics([{"loss": 0.0, **dict.fromkeys(METRIC_SUMS, 0.0)}], single)
+    zeros = dict.fromkeys(METRIC_SUMS + METRIC_MAXES, 0.0)
+    metrics = reduce_metrics([{"loss": 0.0, **zeros}], single)
     assert metrics["loss_tokens"] == 0 and metrics["loss"] == 0.0
-    for name in ("entropy", "kl", "clip_fraction", "logprob_mismatch", "is_rejected_fraction"):
+    names = ("entropy", "kl", "clip_fraction", "is_rejected_fraction")
+    for name in names + ("logprob_mismatch", "logprob_mismatch_max", "rollout_kl"):
         assert metrics[name] is None, name
     log = MetricsLogger(tmp_path, MetricsConfig(tensorboard=True), enabled=True, run_config={})
     log.log(1, namespaced("train", metrics))
