@@ -47,12 +47,23 @@ class Sample:
     """Position in the global batch; stable across layouts."""
     rollout_logprobs: Tensor | None = None
     """[S] float: the rollout engine's log-probs (0 outside the completion)."""
+    routes: Tensor | None = None
+    """[S, L, K] int16: the experts the engine routed token t to in each of the L MoE layers
+    (its top K), -1 where it did not route the token (the last one, added tool output);
+    rollout routing replay (``mcore.routing_replay``) replays them."""
 
     def __post_init__(self) -> None:
         if self.tokens.ndim != 1 or self.loss_mask.shape != self.tokens.shape:
             raise ValueError(
                 f"sample {self.sample_id}: tokens and loss_mask must be 1-D of one length, "
                 f"got {tuple(self.tokens.shape)} and {tuple(self.loss_mask.shape)}"
+            )
+        if self.routes is not None and (
+            self.routes.ndim != 3 or self.routes.shape[0] != self.tokens.numel()
+        ):
+            raise ValueError(
+                f"sample {self.sample_id}: routes must be [tokens, layers, top-k] with one row "
+                f"a token ({self.tokens.numel()}), got {tuple(self.routes.shape)}"
             )
         if self.tokens.numel() < 2:
             raise ValueError(f"sample {self.sample_id}: needs at least 2 tokens")
@@ -78,6 +89,7 @@ def make_samples(
     advantages: Sequence[float],
     groups: Sequence[int],
     rollout_logprobs: Sequence[Sequence[float]] | None = None,
+    routes: Sequence[Tensor] | None = None,
 ) -> list[Sample]:
     """One ``Sample`` per row, numbered from 0, checked as ``Sample`` checks them: a batch
     costs a few torch calls, where constructing each ``Sample`` costs several of its own."""
@@ -103,6 +115,7 @@ def make_samples(
         advantages=[float(a) for a in advantages],
         groups=list(groups),
         sample_ids=list(range(len(tokens))),
+        routes=None if routes is None else _cat(routes),
     ).samples()
 
 
@@ -118,12 +131,17 @@ class SampleColumns:
     advantages: list[float]
     groups: list[int]
     sample_ids: list[int]
+    routes: Tensor | None = None
+    """[sum S, L, K] the samples' ``routes`` end to end, when every sample has them."""
 
     @staticmethod
     def of(samples: Sequence[Sample]) -> SampleColumns:
         with_rollout = [s.rollout_logprobs is not None for s in samples]
         if any(with_rollout) and not all(with_rollout):
             raise ValueError("samples with and without rollout log-probs cannot share columns")
+        with_routes = [s.routes is not None for s in samples]
+        if any(with_routes) and not all(with_routes):
+            raise ValueError("samples with and without routes cannot share columns")
         return SampleColumns(
             lengths=[len(s) for s in samples],
             tokens=_cat([s.tokens for s in samples]),
@@ -136,6 +154,11 @@ class SampleColumns:
             advantages=[s.advantage for s in samples],
             groups=[s.group for s in samples],
             sample_ids=[s.sample_id for s in samples],
+            routes=(
+                _cat([s.routes for s in samples])  # type: ignore[misc]
+                if samples and all(with_routes)
+                else None
+            ),
         )
 
     def samples(self) -> list[Sample]:
@@ -147,6 +170,15 @@ class SampleColumns:
             if self.rollout_logprobs is not None
             else [None] * len(self.lengths)
         )
+        routes = (
+            self.routes.split(self.lengths)
+            if self.routes is not None
+            else [None] * len(self.lengths)
+        )
+        if self.routes is not None and self.routes.shape[0] != len(self.tokens):
+            raise ValueError(
+                f"routes cover {self.routes.shape[0]} positions, the samples {len(self.tokens)}"
+            )
         out = []
         for i, sample_id in enumerate(self.sample_ids):
             sample = object.__new__(Sample)
@@ -157,16 +189,19 @@ class SampleColumns:
                 group=self.groups[i],
                 sample_id=sample_id,
                 rollout_logprobs=logps[i],
+                routes=routes[i],
             )
             out.append(sample)
         return out
 
     def __reduce__(self):
         """The columns as raw bytes (numpy has no bfloat16, so bytes, not arrays)."""
-        fields = (self.tokens, self.loss_mask, self.rollout_logprobs)
-        packed = tuple(None if t is None else (t.dtype, _raw(t)) for t in fields)
+        fields = (self.tokens, self.loss_mask, self.rollout_logprobs, self.routes)
+        packed = tuple(None if t is None else (t.dtype, _raw(t.reshape(-1))) for t in fields)
+        route_shape = None if self.routes is None else tuple(self.routes.shape[1:])
         return _unpickle_columns, (
             *packed,
+            route_shape,
             self.lengths,
             self.advantages,
             self.groups,
@@ -190,13 +225,20 @@ def _tensor(packed: tuple[torch.dtype, bytes] | None) -> Tensor | None:
     return torch.frombuffer(bytearray(data), dtype=dtype) if data else torch.empty(0, dtype=dtype)
 
 
-def _unpickle_columns(tokens, loss_mask, rollout_logprobs, *lists) -> SampleColumns:
+def _unpickle_columns(
+    tokens, loss_mask, rollout_logprobs, routes, route_shape, *lists
+) -> SampleColumns:
+    flat_routes = _tensor(routes)
+    lengths, advantages, groups, sample_ids = lists
     return SampleColumns(
-        lists[0],
-        _tensor(tokens),  # type: ignore[arg-type]
-        _tensor(loss_mask),  # type: ignore[arg-type]
-        _tensor(rollout_logprobs),
-        *lists[1:],
+        lengths=lengths,
+        tokens=_tensor(tokens),  # type: ignore[arg-type]
+        loss_mask=_tensor(loss_mask),  # type: ignore[arg-type]
+        rollout_logprobs=_tensor(rollout_logprobs),
+        advantages=advantages,
+        groups=groups,
+        sample_ids=sample_ids,
+        routes=None if flat_routes is None else flat_routes.view(-1, *route_shape),
     )
 
 
@@ -251,6 +293,13 @@ class MicroBatch:
     whole sequences, before any context-parallel split; None otherwise."""
     max_seqlen: int = 0
     """The longest padded sequence of a THD micro-batch (``cu_seqlens``)."""
+    routes: Tensor | None = None
+    """[B, S, L, K] int16 the engine's routed experts of each input position (not shifted:
+    position t holds token t's), -1 where there are none (padding); None unless every
+    sample has them."""
+    learner_routes: Tensor | None = None
+    """[B, S, L, K] int16 the experts the learner's own routers chose in the behaviour
+    log-prob pass (R2 routing replay records them there), -1 where not recorded."""
 
     @property
     def num_samples(self) -> int:
@@ -275,6 +324,8 @@ class MicroBatch:
             old_logprobs=move(self.old_logprobs),
             ref_logprobs=move(self.ref_logprobs),
             cu_seqlens=move(self.cu_seqlens),
+            routes=move(self.routes),
+            learner_routes=move(self.learner_routes),
         )
 
 
@@ -362,6 +413,9 @@ def _assemble(
         lengths = [len(s) for s in samples]
         seq_tokens = _place(out, samples, lengths, starts, with_rollout)
     view = {k: v.view(B, length) for k, v in out.items()}
+    routes = None
+    if samples and all(s.routes is not None for s in samples):
+        routes = _routes(samples, starts, B * length)
     return MicroBatch(
         tokens=view["tokens"],
         targets=view["targets"],
@@ -378,7 +432,20 @@ def _assemble(
         sample_ids=torch.tensor([s.sample_id for s in samples], dtype=torch.long),
         seq_tokens=seq_tokens,
         num_groups=num_groups,
+        routes=None if routes is None else routes.view(B, length, *routes.shape[1:]),
     )
+
+
+def _routes(samples: list[Sample], starts: list[int], positions: int) -> Tensor:
+    """[positions, L, K] the samples' routes written from their starts, -1 elsewhere; the
+    samples must agree on L and K."""
+    shapes = {tuple(s.routes.shape[1:]) for s in samples}  # type: ignore[union-attr]
+    if len(shapes) > 1:
+        raise ValueError(f"samples routed over different (layers, top-k): {sorted(shapes)}")
+    out = torch.full((positions, *shapes.pop()), -1, dtype=torch.int16)
+    for s, start in zip(samples, starts):
+        out[start : start + len(s)] = s.routes  # type: ignore[assignment]  # not None: checked
+    return out
 
 
 def context_parallel_indices(cu_seqlens: Tensor, cp_size: int, cp_rank: int) -> Tensor:
@@ -430,6 +497,8 @@ def context_parallel_shard(mb: MicroBatch, cp_size: int, cp_rank: int) -> MicroB
         rollout_logprobs=take(mb.rollout_logprobs),
         old_logprobs=take(mb.old_logprobs),
         ref_logprobs=take(mb.ref_logprobs),
+        routes=take(mb.routes),
+        learner_routes=take(mb.learner_routes),
     )
 
 

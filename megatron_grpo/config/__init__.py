@@ -138,7 +138,13 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
 
     def __post_init__(self) -> None:
-        check_moe_layout(self.model, self.parallel, self.train.recompute_granularity)
+        check_moe_layout(
+            self.model,
+            self.parallel,
+            self.train.recompute_granularity,
+            routing_replay=self.train.routing_replay,
+            recompute_modules=self.train.recompute_modules,
+        )
         self.train.gates.resolve_defaults(self.model.params_dtype, self.rollout.max_staleness)
         rollout_batch = self.rollout.prompts_per_step * self.rollout.samples_per_prompt
         if self.train.global_batch_size is None:  # the default, resolved here once

@@ -275,6 +275,15 @@ class TrainConfig:
     is reported."""
     gates: GatesConfig = field(default_factory=GatesConfig)
     """On-policy gates: the run stops when the engines' log-probs are not the learner's."""
+    routing_replay: Literal["off", "r2", "r3"] = "off"
+    """Mixture-of-experts routing replay (``mcore.routing_replay``): ``r3`` makes every
+    forward pass of the policy route each token to the experts the rollout engine routed it
+    to (the engines return them: SGLang's ``--enable-return-routed-experts``), ``r2`` to
+    the experts the learner's own routers chose in the behaviour log-prob pass; in both the
+    gates stay the learner's router probabilities of those experts, so the routers train.
+    ``off`` routes afresh in every pass. The peers' names: slime's
+    ``--use-rollout-routing-replay`` / ``--use-routing-replay``, verl's
+    ``router_replay.mode=R3|R2``."""
 
     def __post_init__(self) -> None:
         if self.recompute_num_layers < 1:
@@ -283,6 +292,10 @@ class TrainConfig:
             )
         if self.recompute_granularity == "selective" and not self.recompute_modules:
             raise ValueError("train.recompute_granularity=selective needs train.recompute_modules")
+        if self.routing_replay not in ("off", "r2", "r3"):
+            raise ValueError(
+                f"train.routing_replay must be off, r2 or r3, got {self.routing_replay!r}"
+            )
         for name in ("total_steps", "num_iterations", "max_tokens_per_micro_batch", "keep_last"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")

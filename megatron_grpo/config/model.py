@@ -3,6 +3,7 @@ parallel layout."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -152,14 +153,33 @@ class ModelConfig:
 
 
 def check_moe_layout(
-    model: ModelConfig, dims: ParallelDims, recompute_granularity: str | None
+    model: ModelConfig,
+    dims: ParallelDims,
+    recompute_granularity: str | None,
+    *,
+    routing_replay: str = "off",
+    recompute_modules: Sequence[str] = (),
 ) -> None:
     """Raise a ValueError for what a MoE model cannot train with: context parallelism, TP
-    without sequence parallelism (megatron-core's MoE layer refuses it) and the routers'
-    balance loss with full recomputation (the recomputed routers would run outside their
-    micro-batch)."""
+    without sequence parallelism (megatron-core's MoE layer refuses it), and the routers'
+    balance loss or routing replay where recomputation reruns the routers (outside the
+    micro-batch they belong to); routing replay of a dense model."""
+    if routing_replay != "off" and not model.is_moe:
+        raise ValueError(
+            f"train.routing_replay={routing_replay} needs a mixture-of-experts model "
+            "(model.num_experts); a dense model has no routers to replay"
+        )
     if not model.is_moe:
         return
+    reruns_routers = recompute_granularity == "full" or (
+        recompute_granularity == "selective" and "moe" in recompute_modules
+    )
+    if routing_replay != "off" and reruns_routers:
+        raise ValueError(
+            f"train.routing_replay={routing_replay} with train.recompute_granularity="
+            f"{recompute_granularity} is not supported: the recomputed routers would replay "
+            "outside their micro-batch (recompute core_attn, mlp or layernorm selectively)"
+        )
     if dims.cp > 1:
         raise ValueError(
             f"a mixture-of-experts model at parallel.cp={dims.cp} is not supported: the routers' "

@@ -130,6 +130,25 @@ MEGATRON_CORE = Library(
             params=("input",),
         ),
         Target(_ROUTER, "TopKRouter.gating", "called by router_logits", params=("input",)),
+        Target(
+            _ROUTER,
+            "TopKRouter.router_replay",
+            "set by set_router_replay: routing replay's top-k (mcore.routing_replay)",
+            kind="instance",
+        ),
+        Target(
+            "megatron.core.transformer.moe.moe_utils",
+            "topk_routing_with_score_function",
+            "calls router_replay.get_replay_topk(scores, topk, num_groups, group_topk, "
+            "default_compute_topk) for the top-k when the router has one",
+            params=("router_replay", "fused"),
+        ),
+        Target(
+            "megatron.core.transformer.moe.router_replay",
+            "RouterReplay.get_replay_topk",
+            "the interface mcore.routing_replay.LayerReplay implements",
+            params=("scores", "topk", "num_groups", "group_topk", "default_compute_topk"),
+        ),
         Target(_ROUTER, "TopKRouter.layer_number", "read by router_layer", kind="instance"),
         Target(
             _ROUTER,
@@ -335,6 +354,19 @@ def hook_routers(
         for module in chunk.modules():
             if isinstance(module, TopKRouter):
                 module.register_forward_hook(hook)
+
+
+def set_router_replay(model: list, make: Callable[[int], Any]) -> None:
+    """Give every ``TopKRouter`` of ``model`` the ``router_replay`` ``make(layer number)``:
+    megatron-core's routing then takes its top-k from it (unfused routing only)."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    for chunk in model:
+        for module in chunk.modules():
+            if isinstance(module, TopKRouter):
+                if module.config.moe_router_fusion:
+                    raise ValueError("routing replay needs unfused routing (moe_router_fusion)")
+                module.router_replay = make(module.layer_number)
 
 
 def router_logits(router, hidden: torch.Tensor) -> torch.Tensor:

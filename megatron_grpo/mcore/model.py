@@ -98,7 +98,13 @@ def _moe(cfg: ModelConfig, ctx: ParallelContext, train: TrainConfig | None) -> d
             "model.moe_grouped_gemm=true needs a GPU (Transformer Engine's grouped GEMM); "
             "on CPU the experts run one after the other (moe_grouped_gemm=false)"
         )
-    check_moe_layout(cfg, ctx.dims, train.recompute_granularity if train else None)
+    check_moe_layout(
+        cfg,
+        ctx.dims,
+        train.recompute_granularity if train else None,
+        routing_replay=train.routing_replay if train else "off",
+        recompute_modules=train.recompute_modules if train else (),
+    )
     softmax = cfg.moe_router_score_function == "softmax"
     return {
         "num_moe_experts": cfg.num_experts,
@@ -188,8 +194,11 @@ def build_model(
     chunks = [build_gpt(cfg, ctx, train=train, vp_stage=s, spec=spec) for s in stages]
     if cfg.is_moe:
         from megatron_grpo.mcore.router_balance import RouterBalance
+        from megatron_grpo.mcore.routing_replay import RoutingReplay
 
         chunks[0].router_balance = RouterBalance(chunks, cfg, ctx)
+        replay = train.routing_replay if train is not None else "off"
+        chunks[0].routing_replay = RoutingReplay(chunks, replay, ctx, cfg.num_layers)
     if torch.cuda.is_available():
         chunks = [c.cuda() for c in chunks]
     if not wrap_ddp:

@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor
 
 from megatron_grpo.algo.normalization import aux_loss_weight, sequence_balance_loss
 from megatron_grpo.config import ModelConfig
 from megatron_grpo.mcore import compat
 from megatron_grpo.mcore.parallel import ParallelContext
+from megatron_grpo.mcore.routing_replay import router_order
 from megatron_grpo.mcore.wrappers import unwrap
 
 
@@ -56,19 +56,11 @@ class RouterBalance:
         self.loss.zero_()
         self.loads.zero_()
 
-    def _local_seg(self, seg_BS: Tensor, local_positions: int) -> Tensor:
-        """Each of this rank's router tokens' sequence, in the router's [S, B] order."""
-        sp = self.ctx.dims.uses_sequence_parallel
-        full = local_positions * (self.ctx.dims.tp if sp else 1)
-        seg_BS = F.pad(seg_BS, (0, full - seg_BS.shape[1]), value=-1)  # the schedule's padding
-        start = self.ctx.tp_rank * local_positions if sp else 0
-        return seg_BS[:, start : start + local_positions].t().reshape(-1)
-
     def _on_route(self, router, hidden: Tensor, probs: Tensor, routing_map: Tensor):
         """The router's balance loss attached to its ``probs`` (None: unchanged)."""
         if not torch.is_grad_enabled() or self._seg is None:
             return None
-        seg = self._local_seg(self._seg.to(hidden.device), hidden.shape[0])
+        seg = router_order(self._seg.to(hidden.device), hidden.shape[0], self.ctx)
         live = seg >= 0
         routed = routing_map.new_zeros(self._num_seqs, routing_map.shape[1], dtype=torch.float32)
         routed.index_add_(0, seg[live], routing_map[live].float())

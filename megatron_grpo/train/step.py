@@ -16,6 +16,7 @@ one ``optimizer_step`` each.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ from megatron_grpo.mcore.device import compute_device
 from megatron_grpo.mcore.layers import have_transformer_engine
 from megatron_grpo.mcore.parallel import ParallelContext
 from megatron_grpo.mcore.router_balance import router_balance
+from megatron_grpo.mcore.routing_replay import routing_replay
 from megatron_grpo.mcore.schedule import LossFn, run_schedule, zero_grads
 from megatron_grpo.train.plan import plan, split_to_count, split_to_multiple
 
@@ -172,6 +174,7 @@ def forward_logprobs(
     other stages get an empty list.
     """
     out: dict[int, Tensor] = {}
+    replay = routing_replay(model)
 
     def store(batch: MicroBatch, logits: Tensor):
         logp, _ = vocab_parallel_logprobs(
@@ -180,8 +183,9 @@ def forward_logprobs(
         out[id(batch)] = logp.detach() * batch.loss_mask
         return logits.new_zeros(()), torch.tensor(0, dtype=torch.int), {}
 
+    on_forward = None if replay is None else replay.set_batch
     with torch.no_grad():
-        run_schedule(model, ctx, micro_batches, store, forward_only=True)
+        run_schedule(model, ctx, micro_batches, store, forward_only=True, on_forward=on_forward)
     return [out[id(mb)] for mb in micro_batches] if ctx.is_last_stage else []
 
 
@@ -201,10 +205,10 @@ def prepare_global_batch(
     several global batches), so the behaviour log-probs are computed now.
     """
     if freeze_old:
-        for mb, logp in zip(
-            micro_batches,
-            forward_logprobs(model, ctx, micro_batches, vocab_size=settings.vocab_size),
-        ):
+        replay = routing_replay(model)
+        with contextlib.nullcontext() if replay is None else replay.recording():  # R2
+            old = forward_logprobs(model, ctx, micro_batches, vocab_size=settings.vocab_size)
+        for mb, logp in zip(micro_batches, old):
             mb.old_logprobs = logp
     if ref_model is not None:
         for mb, logp in zip(
@@ -247,10 +251,16 @@ def optimizer_step(
     """
     zero_grads(model)
     optimizer.zero_grad()
-    balance = router_balance(model)
-    if balance is not None:
+    balance, replay = router_balance(model), routing_replay(model)
+    on_forward = None
+    if balance is not None and replay is not None:
         balance.start_step(num_sequences)
-    on_forward = None if balance is None else balance.set_batch
+        replay.start_step()
+
+        def on_forward(batch: MicroBatch) -> None:
+            balance.set_batch(batch)
+            replay.set_batch(batch)
+
     per_mb = run_schedule(model, ctx, micro_batches, loss_fn, on_forward=on_forward)
     metrics = reduce_metrics(per_mb, ctx)
     if gate is not None:
@@ -259,8 +269,8 @@ def optimizer_step(
         on_gradients()
     _, grad_norm, _ = optimizer.step()
     scheduler.step(1)
-    if balance is not None:
-        metrics |= balance.step_metrics()
+    if balance is not None and replay is not None:
+        metrics |= balance.step_metrics() | replay.step_metrics()
     metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
     metrics["lr"] = float(optimizer.param_groups[0]["lr"])
     return metrics

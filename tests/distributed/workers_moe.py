@@ -119,3 +119,28 @@ def megatron_aux_loss_layout(**kwargs):
     mcore_model._moe = with_megatron_aux_loss
     router_balance.aux_loss_weight = lambda coeff, num_sequences: 0.0
     return run_layout(**kwargs)
+
+
+def unsliced_routes_layout(**kwargs):
+    """run_layout with routing replay that ignores sequence parallelism: every TP rank
+    replays the routes of the first positions, not of its own slice of the sequence."""
+    import megatron_grpo.mcore.routing_replay as replay
+    from megatron_grpo.commands.invariance.worker import run_layout
+
+    original = replay.router_order
+
+    def first_positions(values_BS, local_positions, ctx, fill=-1):
+        return original(values_BS, local_positions, _TPRankZero(ctx), fill)
+
+    replay.router_order = first_positions
+    return run_layout(**kwargs)
+
+
+class _TPRankZero:
+    """A ParallelContext seen as TP rank 0."""
+
+    def __init__(self, ctx) -> None:
+        self._ctx = ctx
+
+    def __getattr__(self, name):
+        return 0 if name == "tp_rank" else getattr(self._ctx, name)

@@ -106,7 +106,13 @@ def setup(
     optim = OptimConfig(optimizer="sgd", lr=SGD_LR, clip_grad=0.0, overlap_grad_reduce=False)
     if "distopt" in features:
         optim = OptimConfig(optimizer="adam", lr=ADAM_LR, adam_eps=ADAM_EPS, clip_grad=0.0)
-    wanted = () if reference else features
+    replay = [f for f in features if f in REPLAY_FEATURES]
+    if replay and not model.is_moe:
+        raise ValueError(f"--features {replay[0]} needs a mixture-of-experts model (--model moe)")
+    if len(replay) > 1:
+        raise ValueError("--features takes one of r2 and r3")
+    # what is trained, not how it is laid out: the reference replays too
+    wanted = tuple(replay) if reference else features
     applies = {
         "distopt": layout.dp * layout.cp > 1,
         "sp": layout.tp > 1,
@@ -114,6 +120,8 @@ def setup(
         "recompute": True,
         "selective": True,
         "bf16": True,
+        "r2": True,
+        "r3": True,
     }
     active = tuple(f for f in wanted if applies[f])
     if "distopt" not in active:
@@ -137,9 +145,31 @@ def setup(
             sequence_parallel="sp" in active or (model.is_moe and layout.tp > 1),
         ),
         optim=optim,
-        train=TrainConfig(recompute_granularity=recompute),
+        train=TrainConfig(
+            recompute_granularity=recompute,
+            routing_replay="r3" if "r3" in active else "r2" if "r2" in active else "off",
+        ),
         active=active,
     )
+
+
+REPLAY_FEATURES = ("r2", "r3")
+"""The routing replay features: what the model trains on, so the reference has them too."""
+
+
+def with_routes(samples: list[Sample], model: ModelConfig, seed: int = 7) -> list[Sample]:
+    """The samples with an engine's routes (R3): a random top-k set of distinct experts for
+    every token and layer, none (-1) on the last token (the engine never routes it), drawn
+    per sample id so that every layout replays the same."""
+    assert model.num_experts is not None
+    out = []
+    for s in samples:
+        g = torch.Generator().manual_seed(seed * 100_003 + s.sample_id)
+        draws = torch.rand(len(s), model.num_layers, model.num_experts, generator=g)
+        routes = draws.topk(model.moe_router_topk, dim=-1).indices.to(torch.int16)
+        routes[-1] = -1
+        out.append(dataclasses.replace(s, routes=routes))
+    return out
 
 
 def default_model() -> ModelConfig:

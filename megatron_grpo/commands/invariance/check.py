@@ -147,9 +147,9 @@ def check(
     }
     log(_reference_line(errors[REFERENCE]))
     single = Layout(1, 1, 1)
-    featured = single in layouts and bool(
+    featured = single in layouts and tuple(
         setup(single, features, model_cfg, reference=False).active
-    )
+    ) != tuple(reference["active"])
     for layout in [single] + [x for x in layouts if x != single]:
         cases = reference if layout == single and not featured else launch(layout, reference)
         errors[str(layout)] = {

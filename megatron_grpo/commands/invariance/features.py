@@ -13,6 +13,10 @@ FEATURES = {
     "vpp": "2 virtual pipeline stages per rank (a 4-layer model), the interleaved 1F1B "
     "schedule with each rank's micro-batch count a multiple of PP",
     "bf16": "bfloat16 parameters, against the float32 reference within BF16_TOLERANCE",
+    "r3": "rollout routing replay (MoE): every sample carries an engine's routes (random "
+    "top-k sets, none on its last token), replayed in every forward pass of the policy",
+    "r2": "routing replay (MoE) of the experts the behaviour log-prob pass chose, in the "
+    "training passes (the second runs on moved weights, whose routers would choose others)",
 }
 """What ``--features`` can switch on, beyond DP, TP and PP themselves."""
 

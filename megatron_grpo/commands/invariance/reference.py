@@ -8,13 +8,17 @@ the objective written out from its definition (docs/loss_normalization.md):
 with w_i from the counts of the whole batch and l_it the PPO-clipped surrogate times
 the truncated importance weight, plus the KL penalty, minus the entropy bonus; for a
 mixture-of-experts model, plus the routers' balance loss of each sample from
-transformers' router logits, coeff / N sum_layers E sum_i f_i P_i. Nothing
+transformers' router logits, coeff / N sum_layers E sum_i f_i P_i; under rollout routing
+replay (R3) its routers send each token to the sample's routes (``_replayed``). Nothing
 of the trainer's loss code, planner or megatron-core takes part, so a factor that the
 trainer applies in every layout alike (which the layouts' agreement cannot see) shows
 here. The first pass is on-policy: the behaviour log-probs equal the current ones.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor
@@ -113,14 +117,55 @@ def _hf_model(state: dict[str, Tensor], cfg: ModelConfig):
     return model
 
 
-def _balance(router_logits: tuple[Tensor, ...], topk: int) -> Tensor:
+def _chosen(probs: Tensor, topk: int, routes: Tensor | None) -> Tensor:
+    """[S, K] the experts of each token: ``routes`` [S, K] where given (>= 0), else the top-k."""
+    chosen = probs.topk(topk, dim=-1).indices
+    if routes is None:
+        return chosen
+    given = (routes >= 0).all(dim=1, keepdim=True)
+    return torch.where(given, routes.long(), chosen)
+
+
+@contextlib.contextmanager
+def _replayed(model, routes: Tensor | None) -> Iterator[None]:
+    """transformers' Qwen3-MoE routers send each token of the one sample being run to its
+    ``routes`` [S, L, K] (where given): gates softmax(logits) at those experts, renormalized
+    over them (``norm_topk_prob``), as the router computes them for its own top-k."""
+    if routes is None:
+        yield
+        return
+
+    def hook(layer: int):
+        def replace(gate, args, output):
+            logits, _, _ = output
+            probs = torch.softmax(logits, dtype=torch.float, dim=-1)
+            chosen = _chosen(probs, gate.top_k, routes[:, layer])
+            top = probs.gather(1, chosen)
+            if gate.norm_topk_prob:
+                top = top / top.sum(dim=-1, keepdim=True)
+            return logits, top.to(logits.dtype), chosen
+
+        return replace
+
+    handles = [
+        layer.mlp.gate.register_forward_hook(hook(i)) for i, layer in enumerate(model.model.layers)
+    ]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _balance(router_logits: tuple[Tensor, ...], topk: int, routes: Tensor | None) -> Tensor:
     """sum over layers of E sum_i f_i P_i for one sample: f_i the fraction of its k-fold
-    routed tokens that went to expert i, P_i its mean router probability."""
+    routed tokens that went to expert i (replayed ``routes`` [S, L, K] where given), P_i
+    its mean router probability."""
     total = torch.zeros(())
-    for logits in router_logits:
+    for layer, logits in enumerate(router_logits):
         probs = torch.softmax(logits.float(), dim=-1)
         num_tokens, num_experts = probs.shape
-        chosen = probs.topk(topk, dim=-1).indices
+        chosen = _chosen(probs, topk, None if routes is None else routes[:, layer])
         counts = torch.nn.functional.one_hot(chosen, num_experts).sum(dim=(0, 1)).float()
         f = counts / (topk * num_tokens)
         total = total + num_experts * (f * probs.mean(dim=0)).sum()
@@ -135,8 +180,11 @@ def reference_gradient(
     loss_cfg: LossConfig,
     *,
     max_len: int,
+    replay: bool = False,
 ) -> dict[str, Tensor]:
-    """dJ/dtheta of the first pass, under megatron-core's (TP=1, PP=1) parameter names."""
+    """dJ/dtheta of the first pass, under megatron-core's (TP=1, PP=1) parameter names;
+    ``replay``: the policy routes each token to the sample's ``routes`` (R3; R2 replays the
+    first pass's own routes, which the routers choose anyway)."""
     from megatron_grpo.convert.experts import split_hf_experts
     from megatron_grpo.convert.weights import (
         MEGATRON_EMBEDDING,
@@ -153,13 +201,17 @@ def reference_gradient(
     total = torch.zeros(())
     for s, w in zip(samples, weights):
         tokens = s.tokens.long()
-        out = policy(tokens[None], **moe)
+        routes = s.routes if replay else None
+        with _replayed(policy, routes):
+            out = policy(tokens[None], **moe)
         logp, entropy = _token_terms(out.logits[0], tokens)
         with torch.no_grad():
             ref_logp, _ = _token_terms(ref(tokens[None]).logits[0], tokens)
         total = total + w * _sample_loss(s, logp, entropy, ref_logp, loss_cfg)
         if aux_weight:
-            total = total + aux_weight * _balance(out.router_logits, model_cfg.moe_router_topk)
+            total = total + aux_weight * _balance(
+                out.router_logits, model_cfg.moe_router_topk, routes
+            )
     total.backward()
     grads = {k: p.grad for k, p in policy.named_parameters() if p.grad is not None}
     grads = split_hf_experts(grads)

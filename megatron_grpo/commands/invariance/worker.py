@@ -19,6 +19,7 @@ from megatron_grpo.commands.invariance.cases import (
     permutation,
     setup,
     variants,
+    with_routes,
 )
 from megatron_grpo.config import ModelConfig
 
@@ -85,7 +86,15 @@ def _outside_megatron(init_state: dict, ref_state: dict, run, mode: str, batch: 
     from megatron_grpo.commands.invariance.reference import reference_gradient
 
     loss = default_loss(mode)
-    return reference_gradient(init_state, ref_state, batch, run.model, loss, max_len=MAX_COMPLETION)
+    return reference_gradient(
+        init_state,
+        ref_state,
+        batch,
+        run.model,
+        loss,
+        max_len=MAX_COMPLETION,
+        replay=run.train.routing_replay == "r3",
+    )
 
 
 def run_layout(
@@ -137,6 +146,8 @@ def run_layout(
         load_full_state(model, init_state, run.model, ctx)
         optimizer, scheduler = build_optimizer(run.optim, run.model, model, ctx)  # fresh state
         samples = variant.batch(vocab)
+        if run.train.routing_replay == "r3":
+            samples = with_routes(samples, run.model)
         order = permutation(len(samples)) if variant.permuted else range(len(samples))
         batch = [samples[i] for i in order]
         lengths = [len(s) for s in batch]

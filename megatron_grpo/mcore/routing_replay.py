@@ -1,0 +1,187 @@
+"""Mixture-of-experts routing replay (R3, R2) and the routers' agreement with the engine.
+
+A router picks each token's top-k experts from its scores; the rollout engine's router,
+in other kernels and often another dtype, can pick others for the same weights (about 10%
+of the decisions at Qwen3-30B-A3B scale, Megatron-LM #4168), so the learner would train a
+policy that did not make the data. Replay makes the learner's forward passes route each
+token to given experts instead: the engine's (R3, ``MicroBatch.routes``) or those the
+learner chose in the behaviour log-prob pass (R2, ``MicroBatch.learner_routes``,
+recorded there). The gates stay the router's own: megatron-core gathers the router's
+scores at the replayed experts, so the routers keep their gradient.
+
+Each router gets a ``LayerReplay`` as its ``router_replay`` (``compat.set_router_replay``;
+megatron-core calls it for the top-k), built here per router rather than through
+megatron-core's class-level list. Before each micro-batch's forward (``set_batch``, from
+the schedule's ``on_forward``) the replay learns which routes it holds; a router then
+takes its layer's routes of this rank's tokens, in its own [S, B] order and, under
+sequence parallelism, this TP rank's share of the sequence (``router_order``). A token
+without routes (-1: padding, the last token of a sample, tool output added after the
+engine's last turn) is routed by the learner's router.
+
+Every training forward with the engine's routes also counts, per layer, the tokens whose
+top-k set the learner's router would have chosen is the engine's (``step_metrics``:
+``router_agreement`` and its worst layer), whether or not they are replayed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+
+from megatron_grpo.mcore import compat
+from megatron_grpo.mcore.parallel import ParallelContext
+
+
+def router_order(values_BS: Tensor, local_positions: int, ctx: ParallelContext, fill: int = -1):
+    """``values_BS`` [B, S, ...] of the router tokens of this rank, in the router's [S, B]
+    order flattened: the schedule pads S to a multiple of TP under sequence parallelism
+    (with ``fill``), and each TP rank then routes its slice of the positions."""
+    sp = ctx.dims.uses_sequence_parallel
+    full = local_positions * (ctx.dims.tp if sp else 1)
+    pad = full - values_BS.shape[1]
+    if pad:
+        widths = [0, 0] * (values_BS.ndim - 2) + [0, pad]
+        values_BS = F.pad(values_BS, widths, value=fill)
+    start = ctx.tp_rank * local_positions if sp else 0
+    local = values_BS[:, start : start + local_positions].transpose(0, 1)
+    return local.reshape(-1, *values_BS.shape[2:])
+
+
+class RoutingReplay:
+    """The routers of one model (all its chunks): what they replay, what they record."""
+
+    def __init__(self, model: list, mode: str, ctx: ParallelContext, num_layers: int) -> None:
+        if mode not in ("off", "r2", "r3"):
+            raise ValueError(f"routing replay mode must be off, r2 or r3, got {mode!r}")
+        self.mode, self.ctx = mode, ctx
+        self.batch: Any = None
+        self.records = False
+        self.agree = torch.zeros(num_layers, dtype=torch.float64)
+        self.total = torch.zeros(num_layers, dtype=torch.float64)
+        compat.set_router_replay(model, lambda layer: LayerReplay(self, layer))
+
+    def set_batch(self, batch) -> None:
+        """The micro-batch the next forward runs (``routes``, ``learner_routes``)."""
+        self.batch = batch
+
+    def start_step(self) -> None:
+        self.agree.zero_()
+        self.total.zero_()
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[None]:
+        """R2: the forwards inside record the routers' own choices in ``learner_routes``."""
+        self.records = self.mode == "r2"
+        try:
+            yield
+        finally:
+            self.records = False
+
+    def targets(self) -> Tensor | None:
+        """[B, S, L, K] what the forward being run replays; None: the routers choose."""
+        batch = self.batch
+        if batch is None or self.records:
+            return None
+        if self.mode == "r3":
+            return batch.routes
+        if self.mode == "r2":
+            return batch.learner_routes
+        return None
+
+    def record(self, layer: int, chosen: Tensor) -> None:
+        """R2: this router's choices [S_local B, K] into the micro-batch's ``learner_routes``."""
+        batch = self.batch
+        B, S = batch.tokens.shape
+        K = chosen.shape[1]
+        if batch.learner_routes is None:
+            num_layers = len(self.total)
+            batch.learner_routes = torch.full(
+                (B, S, num_layers, K), -1, dtype=torch.int16, device=chosen.device
+            )
+        positions = chosen.shape[0] // B
+        sp = self.ctx.dims.uses_sequence_parallel
+        start = self.ctx.tp_rank * positions if sp else 0
+        stop = min(start + positions, S)
+        if stop > start:
+            view = chosen.view(positions, B, K).transpose(0, 1)[:, : stop - start]
+            batch.learner_routes[:, start:stop, layer - 1] = view.to(torch.int16)
+
+    def count(self, layer: int, chosen: Tensor, engine: Tensor) -> None:
+        """Token-layer agreement: the rows where the engine routed (>= 0), and of them those
+        whose top-k set equals ``chosen``'s."""
+        routed = (engine >= 0).all(dim=1)
+        same = (chosen.sort(dim=1).values == engine.sort(dim=1).values).all(dim=1)
+        self.agree[layer - 1] += float((same & routed).sum())
+        self.total[layer - 1] += float(routed.sum())
+
+    def step_metrics(self) -> dict[str, float | None]:
+        """The fraction of token-layer top-k sets that were the engine's, over all layers
+        and in the worst layer; None without the engine's routes. Collective (world)."""
+        totals = torch.cat([self.agree, self.total])
+        if self.ctx.world_size > 1:
+            from megatron_grpo.mcore.device import compute_device
+
+            on_device = totals.to(compute_device())  # nccl reduces GPU tensors only
+            dist.all_reduce(on_device)
+            totals = on_device.cpu()
+        agree, total = totals.chunk(2)
+        if not float(total.sum()):
+            return {"router_agreement": None, "router_agreement_min_layer": None}
+        measured = total > 0
+        return {
+            "router_agreement": float(agree.sum() / total.sum()),
+            "router_agreement_min_layer": float((agree[measured] / total[measured]).min()),
+        }
+
+
+class LayerReplay:
+    """One router's replay: megatron-core's ``router_replay`` interface for its top-k."""
+
+    def __init__(self, replay: RoutingReplay, layer: int) -> None:
+        self.replay, self.layer = replay, layer
+
+    def get_replay_topk(
+        self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None
+    ):
+        """(values, indices) of the top-k: the router's own choice, or the replayed experts'
+        scores where the micro-batch has routes for the token."""
+        assert default_compute_topk is not None
+        values, chosen = default_compute_topk(
+            scores, topk, num_groups=num_groups, group_topk=group_topk
+        )
+        replay = self.replay
+        if replay.batch is None:
+            return values, chosen
+        if replay.records:
+            replay.record(self.layer, chosen)
+            return values, chosen
+        positions = chosen.shape[0] // replay.batch.tokens.shape[0]
+        engine, targets = replay.batch.routes, replay.targets()
+        for routes in (engine, targets):
+            if routes is not None and routes.shape[-1] != topk:
+                raise ValueError(
+                    f"layer {self.layer} replays {routes.shape[-1]} experts a token, the "
+                    f"router picks model.moe_router_topk={topk}"
+                )
+        if engine is not None and torch.is_grad_enabled():
+            mine = router_order(engine[:, :, self.layer - 1], positions, replay.ctx).long()
+            replay.count(self.layer, chosen, mine)
+        if targets is None:
+            return values, chosen
+        wanted = router_order(targets[:, :, self.layer - 1], positions, replay.ctx).long()
+        given = (wanted >= 0).all(dim=1, keepdim=True)
+        indices = torch.where(given, wanted, chosen)
+        return scores.gather(1, indices), indices
+
+
+def routing_replay(model: list) -> RoutingReplay | None:
+    """The ``RoutingReplay`` that ``mcore.model.build_model`` installed on a MoE model."""
+    from megatron_grpo.mcore.wrappers import unwrap
+
+    return getattr(unwrap(model[0]), "routing_replay", None)
