@@ -18,6 +18,7 @@ from megatron_grpo.commands.memory_model import (
     LOGIT_FP32_BYTES,
     StageMemory,
     StageParams,
+    routes_bytes,
     stage_memory,
     stage_params,
     total_params,
@@ -232,6 +233,7 @@ def _format_memory(r: DryRunReport) -> list[str]:
             f"(1F1B); {_activation_options(cfg)}",
         ),
         ("logits", w.logits, f"last stage: {tokens} tokens x {vocab_shard} x {logit_bytes} B"),
+        *_routes_row(cfg, r.dp, w.routes),
         ("reserved", w.reserved, "CUDA context, NCCL, fragmentation"),
         ("total", w.total, f"of {r.gpu_memory_gb:g} GiB"),
     ]
@@ -245,6 +247,22 @@ def _format_memory(r: DryRunReport) -> list[str]:
         f"{_gib(weight_push_bytes(m, cfg.rollout.sync.bucket_mb << 20))} GiB; the full model "
         f"would be {_gib(total_params(m) * DTYPE_BYTES[m.params_dtype])} GiB",
     ]
+
+
+def _routes_row(cfg: Config, dp: int, resident: float) -> list[tuple[str, float, str]]:
+    """The routing replay row: the routes of one rollout step's micro-batches (none without)."""
+    per_micro_batch, _ = routes_bytes(cfg, dp)
+    if not per_micro_batch:
+        return []
+    m = cfg.model
+    what = "engine's" if cfg.rollout.return_routed_experts else ""
+    if cfg.train.routing_replay == "r2":
+        what = f"{what} and R2's" if what else "R2's"
+    note = (
+        f"{what} routes, {m.num_layers} layers x top-{m.moe_router_topk} x 2 B a token: "
+        f"{_gib(per_micro_batch)} GiB a micro-batch, this rank's step"
+    )
+    return [("routes", resident, note)]
 
 
 def _activation_options(cfg: Config) -> str:

@@ -275,6 +275,9 @@ class StageMemory:
     logits: float
     reserved: float
     layers_in_flight: float
+    routes: float = 0.0
+    """Routing replay's routes of this rank's micro-batches of one rollout step
+    (``routes_bytes``)."""
 
     @property
     def total(self) -> float:
@@ -286,6 +289,7 @@ class StageMemory:
             + self.activations
             + self.logits
             + self.reserved
+            + self.routes
         )
 
     def parts(self) -> dict[str, float]:
@@ -296,8 +300,33 @@ class StageMemory:
             "reference model": self.reference,
             "activations": self.activations,
             "logits": self.logits,
+            "routes": self.routes,
             "reserved": self.reserved,
         }
+
+
+ROUTE_BYTES = 2
+"""One expert id of one token and layer (int16)."""
+
+
+def routes_bytes(cfg: Config, dp: int) -> tuple[float, float]:
+    """(per micro-batch, per rollout step) bytes of routing replay's routes on each GPU: the
+    engine's routes (``rollout.return_routed_experts``) and the behaviour pass's (R2), int16
+    for every token, layer and top-k slot of the micro-batch (every stage holds all layers').
+    A step's micro-batches stay on the GPU from planning to their last optimizer step: at
+    most its samples on this DP rank, each at most data.max_prompt_length +
+    rollout.max_new_tokens long (the micro-batch budget when the prompt length is not set)."""
+    m = cfg.model
+    kinds = int(bool(cfg.rollout.return_routed_experts)) + int(cfg.train.routing_replay == "r2")
+    if not kinds or not m.is_moe:
+        return 0.0, 0.0
+    per_token = m.num_layers * m.moe_router_topk * ROUTE_BYTES * kinds
+    budget = cfg.train.max_tokens_per_micro_batch
+    longest = budget
+    if cfg.data.max_prompt_length is not None:
+        longest = min(budget, cfg.data.max_prompt_length + cfg.rollout.max_new_tokens)
+    samples = -(-cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt // dp)
+    return budget * per_token, samples * longest * per_token
 
 
 def optimizer_bytes_per_param(cfg: Config) -> int:
@@ -341,4 +370,5 @@ def stage_memory(
         logits=tokens * vocab_shard * (weight_bytes + LOGIT_FP32_BYTES) if last else 0.0,
         reserved=RESERVED_GIB * GIB,
         layers_in_flight=in_flight,
+        routes=routes_bytes(cfg, dp)[1],
     )

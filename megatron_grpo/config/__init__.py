@@ -143,9 +143,20 @@ class Config:
             self.parallel,
             self.train.recompute_granularity,
             routing_replay=self.train.routing_replay,
-            recompute_modules=self.train.recompute_modules,
         )
         self.train.gates.resolve_defaults(self.model.params_dtype, self.rollout.max_staleness)
+        if self.rollout.return_routed_experts is None:  # the default, resolved here once
+            self.rollout.return_routed_experts = self.train.routing_replay == "r3"
+        if self.rollout.return_routed_experts and not self.model.is_moe:
+            raise ValueError(
+                "rollout.return_routed_experts=true needs a mixture-of-experts model "
+                "(model.num_experts)"
+            )
+        if self.train.routing_replay == "r3" and not self.rollout.return_routed_experts:
+            raise ValueError(
+                "train.routing_replay=r3 replays the engines' routes: it needs "
+                "rollout.return_routed_experts=true (or unset)"
+            )
         rollout_batch = self.rollout.prompts_per_step * self.rollout.samples_per_prompt
         if self.train.global_batch_size is None:  # the default, resolved here once
             self.train.global_batch_size = rollout_batch

@@ -3,7 +3,6 @@ parallel layout."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -158,12 +157,10 @@ def check_moe_layout(
     recompute_granularity: str | None,
     *,
     routing_replay: str = "off",
-    recompute_modules: Sequence[str] = (),
 ) -> None:
-    """Raise a ValueError for what a MoE model cannot train with: context parallelism, TP
-    without sequence parallelism (megatron-core's MoE layer refuses it), and the routers'
-    balance loss or routing replay where recomputation reruns the routers (outside the
-    micro-batch they belong to); routing replay of a dense model."""
+    """Raise a ValueError for what a MoE model cannot train with: context parallelism and TP
+    without sequence parallelism (megatron-core's MoE layer refuses it); routing replay of
+    a dense model."""
     if routing_replay != "off" and not model.is_moe:
         raise ValueError(
             f"train.routing_replay={routing_replay} needs a mixture-of-experts model "
@@ -171,15 +168,7 @@ def check_moe_layout(
         )
     if not model.is_moe:
         return
-    reruns_routers = recompute_granularity == "full" or (
-        recompute_granularity == "selective" and "moe" in recompute_modules
-    )
-    if routing_replay != "off" and reruns_routers:
-        raise ValueError(
-            f"train.routing_replay={routing_replay} with train.recompute_granularity="
-            f"{recompute_granularity} is not supported: the recomputed routers would replay "
-            "outside their micro-batch (recompute core_attn, mlp or layernorm selectively)"
-        )
+
     if dims.cp > 1:
         raise ValueError(
             f"a mixture-of-experts model at parallel.cp={dims.cp} is not supported: the routers' "
@@ -189,12 +178,6 @@ def check_moe_layout(
         raise ValueError(
             f"a mixture-of-experts model at TP={dims.tp} needs parallel.sequence_parallel=true "
             "(megatron-core's MoE layer trains only with it)"
-        )
-    if model.moe_aux_loss_coeff and recompute_granularity == "full":
-        raise ValueError(
-            "model.moe_aux_loss_coeff > 0 with train.recompute_granularity=full is not "
-            "supported: recomputed routers would attach the balance loss outside their "
-            "micro-batch (use selective recomputation)"
         )
 
 

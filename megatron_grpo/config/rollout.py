@@ -239,6 +239,12 @@ class RolloutConfig:
     """max_staleness >= 1: the CPU cores the rollout producer's process runs on (its HTTP
     client, decoding, rewards, advantages), e.g. the rollout side's rather than the
     learner's; empty: the trainer's."""
+    return_routed_experts: bool | None = None
+    """Ask the engines for the experts they routed each token to (SGLang's
+    ``return_routed_experts``; its servers need ``--enable-return-routed-experts``, which
+    the trainer passes to those it launches): rollout routing replay (R3) replays them, and
+    the learner logs how often its own routers agree (``router_agreement``). None (the
+    default): when ``train.routing_replay`` is r3, set when the config is built."""
     dump_dir: str | None = None
     """Write each step's training samples here (jsonl)."""
     replay_dir: str | None = None

@@ -198,6 +198,12 @@ def nccl_options(timeout: datetime.timedelta) -> Any:
     return options
 
 
+def in_backward() -> bool:
+    """Whether this runs inside the autograd engine's backward pass (a recomputed forward of
+    activation checkpointing does)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 # --------------------------------------------------------------------------- declared targets
 
 _CUDA_STAND_IN = "replaced on CPU by device.install: {}"
@@ -231,6 +237,12 @@ TORCH = Library(
             "torch.distributed.distributed_c10d",
             "_get_default_store",
             "called by device.default_store: the main-rank wait's store (train/main_wait.py)",
+        ),
+        Target(
+            "torch._C",
+            "_current_graph_task_id",
+            "called by device.in_backward: -1 outside the autograd engine (routing replay's "
+            "recomputed routers)",
         ),
         Target(
             "torch._C._distributed_c10d",

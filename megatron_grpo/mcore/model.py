@@ -103,7 +103,6 @@ def _moe(cfg: ModelConfig, ctx: ParallelContext, train: TrainConfig | None) -> d
         ctx.dims,
         train.recompute_granularity if train else None,
         routing_replay=train.routing_replay if train else "off",
-        recompute_modules=train.recompute_modules if train else (),
     )
     softmax = cfg.moe_router_score_function == "softmax"
     return {

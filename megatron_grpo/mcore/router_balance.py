@@ -12,13 +12,18 @@ backward pass on whichever pipeline stage holds the layer. The schedule sets tha
 autoscaler's scale to 1 under ``calculate_per_token_loss`` (fp32 and bf16 alike), so the
 term enters J exactly once.
 
-Only forward passes with autograd on (training) count: the forward-only log-prob
-passes neither add the loss nor the statistics. Full activation recomputation would
-rerun the routers during the backward pass, outside the micro-batch they belong to, so
-it is refused together with the loss (``mcore.model``).
+Only an optimizer step's passes count: the forward-only log-prob passes neither add the
+loss nor the statistics. Under activation recomputation a router's training forward runs
+without a graph and its recomputation in the backward pass, when 1F1B may have run later
+micro-batches' forwards: the forward hands its micro-batch to its recomputation, which
+attaches the loss (``routing_replay.router_pass``).
 """
 
 from __future__ import annotations
+
+import collections
+import contextlib
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -28,7 +33,7 @@ from megatron_grpo.algo.normalization import aux_loss_weight, sequence_balance_l
 from megatron_grpo.config import ModelConfig
 from megatron_grpo.mcore import compat
 from megatron_grpo.mcore.parallel import ParallelContext
-from megatron_grpo.mcore.routing_replay import router_order
+from megatron_grpo.mcore.routing_replay import router_order, router_pass
 from megatron_grpo.mcore.wrappers import unwrap
 
 
@@ -42,6 +47,9 @@ class RouterBalance:
         """v of ``aux_loss_weight`` for the global batch being trained."""
         self._seg: Tensor | None = None
         self._num_seqs = 0
+        self.trains = False
+        self._pending: dict[int, collections.deque[tuple[Tensor, int]]] = {}
+        """Per layer, the micro-batches of checkpointed forwards, for their recomputation."""
         self.loss = torch.zeros((), dtype=torch.float64)
         self.loads = torch.zeros(cfg.num_layers, cfg.num_experts, dtype=torch.float64)
         compat.hook_routers(model, self._on_route)
@@ -50,24 +58,47 @@ class RouterBalance:
         """The micro-batch the next forward runs (``seg`` [B, S], ``num_samples``)."""
         self._seg, self._num_seqs = batch.seg, batch.num_samples
 
-    def start_step(self, num_sequences: int) -> None:
-        """Before an optimizer step on a global batch of ``num_sequences`` sequences."""
+    @contextlib.contextmanager
+    def training_step(self, num_sequences: int) -> Iterator[None]:
+        """An optimizer step on a global batch of ``num_sequences`` sequences."""
         self.weight = aux_loss_weight(self.cfg.moe_aux_loss_coeff, num_sequences)
         self.loss.zero_()
         self.loads.zero_()
+        self._pending.clear()
+        self.trains = True
+        try:
+            yield
+        finally:
+            self.trains = False
+            self._seg = None
 
     def _on_route(self, router, hidden: Tensor, probs: Tensor, routing_map: Tensor):
-        """The router's balance loss attached to its ``probs`` (None: unchanged)."""
-        if not torch.is_grad_enabled() or self._seg is None:
+        """The router's balance loss attached to its ``probs`` (None: unchanged), in the
+        forward that keeps its graph: a checkpointed forward leaves it to its recomputation,
+        handing it its micro-batch (``router_pass``)."""
+        layer = compat.router_layer(router)
+        run = router_pass(self.trains)
+        if run == "recompute":
+            seg_BS, num_seqs = self._pending[layer].popleft()
+        elif run == "checkpointed":
+            assert self._seg is not None
+            self._pending.setdefault(layer, collections.deque()).append((self._seg, self._num_seqs))
             return None
-        seg = router_order(self._seg.to(hidden.device), hidden.shape[0], self.ctx)
+        elif run == "training" and self._seg is not None:
+            seg_BS, num_seqs = self._seg, self._num_seqs
+        else:
+            return None
+        return self._attach(layer, router, hidden, probs, routing_map, seg_BS, num_seqs)
+
+    def _attach(self, layer, router, hidden, probs, routing_map, seg_BS: Tensor, num_seqs: int):
+        seg = router_order(seg_BS.to(hidden.device), hidden.shape[0], self.ctx)
         live = seg >= 0
-        routed = routing_map.new_zeros(self._num_seqs, routing_map.shape[1], dtype=torch.float32)
+        routed = routing_map.new_zeros(num_seqs, routing_map.shape[1], dtype=torch.float32)
         routed.index_add_(0, seg[live], routing_map[live].float())
         if self.ctx.dims.uses_sequence_parallel:  # each TP rank routed a slice of each sequence
             dist.all_reduce(routed, group=self.ctx.tp_group)
-        seq_len = torch.bincount(self._seg[self._seg >= 0], minlength=self._num_seqs)
-        self.loads[compat.router_layer(router) - 1] += routing_map[live].sum(0).double().cpu()
+        seq_len = torch.bincount(seg_BS[seg_BS >= 0], minlength=num_seqs)
+        self.loads[layer - 1] += routing_map[live].sum(0).double().cpu()
         if not self.cfg.moe_aux_loss_coeff:
             return None
         logits = compat.router_logits(router, hidden).reshape(-1, routing_map.shape[1])

@@ -25,6 +25,7 @@ top-k set the learner's router would have chosen is the engine's (``step_metrics
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from collections.abc import Iterator
 from typing import Any
@@ -34,7 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from megatron_grpo.mcore import compat
+from megatron_grpo.mcore import compat, device
 from megatron_grpo.mcore.parallel import ParallelContext
 
 
@@ -53,6 +54,20 @@ def router_order(values_BS: Tensor, local_positions: int, ctx: ParallelContext, 
     return local.reshape(-1, *values_BS.shape[2:])
 
 
+def router_pass(trains: bool) -> str:
+    """Which pass runs a router now: ``recompute`` (activation recomputation in the backward
+    pass), ``checkpointed`` (a training forward whose activations are dropped, under
+    no_grad, to be recomputed), ``training`` (a training forward that keeps its graph) or
+    ``inference`` (a forward-only log-prob pass). ``trains``: an optimizer step runs. The
+    backward passes of a chunk's micro-batches run in the order of their forwards, so what
+    a ``checkpointed`` forward saves in order its ``recompute`` takes in order."""
+    if device.in_backward():
+        return "recompute"
+    if torch.is_grad_enabled():
+        return "training"
+    return "checkpointed" if trains else "inference"
+
+
 class RoutingReplay:
     """The routers of one model (all its chunks): what they replay, what they record."""
 
@@ -62,17 +77,36 @@ class RoutingReplay:
         self.mode, self.ctx = mode, ctx
         self.batch: Any = None
         self.records = False
+        self.trains = False
+        """An optimizer step's forwards run (not a forward-only log-prob pass)."""
         self.agree = torch.zeros(num_layers, dtype=torch.float64)
         self.total = torch.zeros(num_layers, dtype=torch.float64)
-        compat.set_router_replay(model, lambda layer: LayerReplay(self, layer))
+        self.layers: list[LayerReplay] = []
+
+        def make(layer: int) -> LayerReplay:
+            self.layers.append(LayerReplay(self, layer))
+            return self.layers[-1]
+
+        compat.set_router_replay(model, make)
 
     def set_batch(self, batch) -> None:
         """The micro-batch the next forward runs (``routes``, ``learner_routes``)."""
         self.batch = batch
 
-    def start_step(self) -> None:
+    @contextlib.contextmanager
+    def training_step(self) -> Iterator[None]:
+        """An optimizer step's forward and backward passes: they count the agreement, and
+        recomputed routers replay what their forward replayed."""
         self.agree.zero_()
         self.total.zero_()
+        for layer in self.layers:
+            layer.pending.clear()
+        self.trains = True
+        try:
+            yield
+        finally:
+            self.trains = False
+            self.batch = None
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[None]:
@@ -145,6 +179,9 @@ class LayerReplay:
 
     def __init__(self, replay: RoutingReplay, layer: int) -> None:
         self.replay, self.layer = replay, layer
+        self.pending: collections.deque[Tensor | None] = collections.deque()
+        """What each training forward replayed, in order, for its recomputation: the
+        backward passes of a chunk's micro-batches run in the order of their forwards."""
 
     def get_replay_topk(
         self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None
@@ -155,12 +192,31 @@ class LayerReplay:
         values, chosen = default_compute_topk(
             scores, topk, num_groups=num_groups, group_topk=group_topk
         )
+        run = router_pass(self.replay.trains)
+        if run == "recompute":
+            return self._apply(scores, values, chosen, self.pending.popleft())
+        wanted = self._wanted(chosen, topk)
+        if run == "checkpointed":
+            self.pending.append(wanted)
+        return self._apply(scores, values, chosen, wanted)
+
+    @staticmethod
+    def _apply(scores: Tensor, values: Tensor, chosen: Tensor, wanted: Tensor | None):
+        if wanted is None:
+            return values, chosen
+        given = (wanted >= 0).all(dim=1, keepdim=True)
+        indices = torch.where(given, wanted, chosen)
+        return scores.gather(1, indices), indices
+
+    def _wanted(self, chosen: Tensor, topk: int) -> Tensor | None:
+        """[S_local B, K] the experts this forward replays (-1 rows: the router's own), or
+        None; records (R2) and counts the agreement on the way."""
         replay = self.replay
         if replay.batch is None:
-            return values, chosen
+            return None
         if replay.records:
             replay.record(self.layer, chosen)
-            return values, chosen
+            return None
         positions = chosen.shape[0] // replay.batch.tokens.shape[0]
         engine, targets = replay.batch.routes, replay.targets()
         for routes in (engine, targets):
@@ -169,15 +225,12 @@ class LayerReplay:
                     f"layer {self.layer} replays {routes.shape[-1]} experts a token, the "
                     f"router picks model.moe_router_topk={topk}"
                 )
-        if engine is not None and torch.is_grad_enabled():
+        if engine is not None and replay.trains:
             mine = router_order(engine[:, :, self.layer - 1], positions, replay.ctx).long()
             replay.count(self.layer, chosen, mine)
         if targets is None:
-            return values, chosen
-        wanted = router_order(targets[:, :, self.layer - 1], positions, replay.ctx).long()
-        given = (wanted >= 0).all(dim=1, keepdim=True)
-        indices = torch.where(given, wanted, chosen)
-        return scores.gather(1, indices), indices
+            return None
+        return router_order(targets[:, :, self.layer - 1], positions, replay.ctx).long()
 
 
 def routing_replay(model: list) -> RoutingReplay | None:

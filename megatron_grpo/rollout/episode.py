@@ -62,6 +62,9 @@ class Episode:
     """Per-episode numbers, logged as their mean over the step (``rollout/<name>_mean``)."""
     prompt_ids: tuple[int, ...] = ()
     """The prompt, filled in by the runner."""
+    routed_experts: Any = field(default=None, compare=False)
+    """[positions, L, K] the experts the engine routed the prompt and response to, from the
+    start (a numpy array, as ``Generation.routed_experts``); None when not asked for."""
 
     def __post_init__(self) -> None:
         for name in ("response_ids", "loss_mask", "rollout_logprobs", "prompt_ids"):
@@ -81,6 +84,7 @@ class Trajectory:
         self.response_ids: list[int] = []
         self.loss_mask: list[float] = []
         self.rollout_logprobs: list[float] = []
+        self.routed_experts: Any = None
 
     @property
     def context(self) -> list[int]:
@@ -88,7 +92,12 @@ class Trajectory:
         return [*self.prompt_ids, *self.response_ids]
 
     def add_model_turn(self, turn: Generation) -> None:
-        """The engine's tokens, trained on, with its log-probs."""
+        """The engine's tokens, trained on, with its log-probs; its routes when the turn's
+        input was the context so far (they then cover the whole episode up to the turn's
+        last token; a turn of other input leaves the episode without routes)."""
+        routes = getattr(turn, "routed_experts", None)
+        aligned = tuple(turn.prompt_ids) == tuple(self.context)
+        self.routed_experts = routes if aligned else None
         self.response_ids += turn.output_ids
         self.loss_mask += [1.0] * len(turn.output_ids)
         self.rollout_logprobs += turn.rollout_logprobs
@@ -105,6 +114,7 @@ class Trajectory:
             loss_mask=tuple(self.loss_mask),
             rollout_logprobs=tuple(self.rollout_logprobs),
             finish_reason=finish_reason,
+            routed_experts=self.routed_experts,
             **extra,
         )
 

@@ -75,7 +75,31 @@ def _to_samples(
         advantages=[a for row in advantage_GN for a in row],
         groups=[g for g, group in enumerate(generations) for _ in group],
         rollout_logprobs=[[0.0] * len(gen.prompt_ids) + list(gen.rollout_logprobs) for gen in gens],
+        routes=sample_routes(gens, [len(t) for t in tokens]),
     )
+
+
+def sample_routes(gens: list[Any], lengths: list[int]) -> list[torch.Tensor] | None:
+    """Each sample's routes [S, L, K] int16 from its engine's ``routed_experts`` (the
+    positions it routed: all but the last token, or fewer), -1 on the positions after them;
+    None when no sample has them. A sample without them next to others with them gets -1
+    everywhere (its routers then choose for it)."""
+    arrays = [getattr(gen, "routed_experts", None) for gen in gens]
+    shapes = {a.shape[1:] for a in arrays if a is not None}
+    if not shapes:
+        return None
+    if len(shapes) > 1:
+        raise ValueError(f"the engines routed over different (layers, top-k): {sorted(shapes)}")
+    shape = shapes.pop()
+    out = []
+    for array, length in zip(arrays, lengths):
+        routes = torch.full((length, *shape), -1, dtype=torch.int16)
+        if array is not None:
+            if len(array) > length:
+                raise ValueError(f"routes for {len(array)} positions of a {length}-token sample")
+            routes[: len(array)] = torch.from_numpy(array.astype("int16", copy=False))
+        out.append(routes)
+    return out
 
 
 def response_stats(rewards: list[float], lengths: list[int], truncated: int) -> dict[str, float]:
@@ -282,6 +306,7 @@ def dump(batch: RolloutBatch, dump_dir: str | Path, step: int) -> Path:
                         "rollout_logprobs": None
                         if s.rollout_logprobs is None
                         else s.rollout_logprobs.tolist(),
+                        "routes": None if s.routes is None else s.routes.tolist(),
                     }
                 )
                 + "\n"
@@ -308,6 +333,9 @@ def replay(replay_dir: str | Path, step: int) -> RolloutBatch:
                 rollout_logprobs=None
                 if row["rollout_logprobs"] is None
                 else torch.tensor(row["rollout_logprobs"]),
+                routes=None
+                if row.get("routes") is None
+                else torch.tensor(row["routes"], dtype=torch.int16),
             )
         )
     return RolloutBatch(samples, stats)

@@ -253,15 +253,17 @@ def optimizer_step(
     optimizer.zero_grad()
     balance, replay = router_balance(model), routing_replay(model)
     on_forward = None
+    routers: contextlib.ExitStack = contextlib.ExitStack()
     if balance is not None and replay is not None:
-        balance.start_step(num_sequences)
-        replay.start_step()
+        routers.enter_context(balance.training_step(num_sequences))
+        routers.enter_context(replay.training_step())
 
         def on_forward(batch: MicroBatch) -> None:
             balance.set_batch(batch)
             replay.set_batch(batch)
 
-    per_mb = run_schedule(model, ctx, micro_batches, loss_fn, on_forward=on_forward)
+    with routers:
+        per_mb = run_schedule(model, ctx, micro_batches, loss_fn, on_forward=on_forward)
     metrics = reduce_metrics(per_mb, ctx)
     if gate is not None:
         gate(metrics)

@@ -2,7 +2,8 @@
 R3 replays an engine's routes (random top-k sets, so that replay changes every layer's
 experts), R2 the behaviour pass's own routes in the second, off-policy pass; every mode,
 1 and 3 micro-batches, permuted and packed, at the expert-parallel layouts, and the
-single-process run against transformers with the same routes forced on its routers."""
+single-process run against transformers with the same routes forced on its routers; and
+the routers rerun by full recomputation at PP 2."""
 
 from __future__ import annotations
 
@@ -21,13 +22,13 @@ WORKERS = str(Path(__file__).with_name("workers_moe.py"))
 TOLERANCE = 1e-5
 
 
-def _check(feature: str, layouts=LAYOUTS, **kwargs):
+def _check(*features: str, layouts=LAYOUTS, **kwargs):
     lines: list[str] = []
     errors = check(
         layouts,
         modes=list(MODES),
         micro_batch_counts=[1, 3],
-        features=(feature,),
+        features=features,
         model_cfg=default_moe_model(),
         timeout=900,
         log=lines.append,
@@ -59,3 +60,14 @@ def test_routes_not_sliced_for_sequence_parallelism_fail_r3():
     )
     worst = max(max(e.values()) for e in errors["1x2x1x2"].values())
     assert worst > 1e-2, worst
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("features", [("recompute",), ("r3", "recompute")])
+def test_recomputed_routers_keep_their_micro_batch_under_1f1b(features):
+    """Full recomputation reruns each router in the backward pass, after 1F1B has run later
+    micro-batches' forwards at PP 2: the balance loss and the replayed routes must still be
+    those of the router's own micro-batch."""
+    errors = _check(*features, layouts=[Layout.parse("2x1x2x2")])
+    bad = {name: e for name, e in errors["2x1x2x2"].items() if max(e.values()) > TOLERANCE}
+    assert len(errors["2x1x2x2"]) == len(MODES) * 8 * 2 and not bad, bad

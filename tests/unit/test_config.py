@@ -360,16 +360,14 @@ def test_moe_layout_refusals_are_named_when_the_config_is_built():
             "parallel.tp=2",
             "parallel.sequence_parallel=false",
         ],
-        "model.moe_aux_loss_coeff > 0 with train.recompute_granularity=full": [
-            *MOE,
-            "model.moe_aux_loss_coeff=0.01",
-            "train.recompute_granularity=full",
-        ],
+        "train.routing_replay=r2 needs a mixture-of-experts model": ["train.routing_replay=r2"],
     }
     for message, overrides in cases.items():
         with pytest.raises(ValueError, match=re.escape(message)):
             load_config(None, overrides)
-    load_config(None, [*MOE, "parallel.tp=2", "train.recompute_granularity=full"])  # no aux loss
+    # the balance loss and routing replay under full recomputation (mcore.router_balance)
+    recomputed = [*MOE, "model.moe_aux_loss_coeff=0.01", "train.recompute_granularity=full"]
+    load_config(None, [*recomputed, "train.routing_replay=r3"])
 
 
 def test_asynchronous_rl_options_and_their_refusals_are_named():

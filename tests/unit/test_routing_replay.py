@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_grpo.algo.batch import Sample, SampleColumns, collate, collate_thd
-from megatron_grpo.config import Config, ModelConfig, ParallelDims, TrainConfig
+from megatron_grpo.config import Config, ModelConfig, ParallelDims, RolloutConfig, TrainConfig
 from megatron_grpo.mcore.routing_replay import LayerReplay, RoutingReplay, router_order
 
 L, K = 2, 2
@@ -81,6 +81,8 @@ def _replay(mode: str, routes=None, recording: bool = False):
     replay = object.__new__(RoutingReplay)
     replay.mode, replay.ctx = mode, _ctx()
     replay.records = recording
+    replay.trains = not recording
+    replay.layers = []
     replay.agree, replay.total = (
         torch.zeros(L, dtype=torch.float64),
         torch.zeros(L, dtype=torch.float64),
@@ -151,18 +153,38 @@ MOE = ModelConfig(
 )
 
 
-def test_config_refuses_replay_of_a_dense_model_and_with_recomputed_routers():
+def test_config_refuses_replay_of_a_dense_model():
     with pytest.raises(ValueError, match="routing_replay=r3 needs a mixture-of-experts model"):
         Config(train=TrainConfig(routing_replay="r3"))
-    with pytest.raises(ValueError, match="recompute_granularity=full is not supported"):
-        Config(model=MOE, train=TrainConfig(routing_replay="r2", recompute_granularity="full"))
-    with pytest.raises(ValueError, match="recompute_granularity=selective is not supported"):
-        Config(
-            model=MOE,
-            train=TrainConfig(
-                routing_replay="r3", recompute_granularity="selective", recompute_modules=["moe"]
-            ),
-        )
     with pytest.raises(ValueError, match="must be off, r2 or r3"):
         TrainConfig(routing_replay="r4")  # type: ignore[arg-type]
-    Config(model=MOE, train=TrainConfig(routing_replay="r3"))
+    with pytest.raises(ValueError, match="r3 replays the engines' routes"):
+        Config(
+            model=MOE,
+            train=TrainConfig(routing_replay="r3"),
+            rollout=RolloutConfig(return_routed_experts=False),
+        )
+    cfg = Config(model=MOE, train=TrainConfig(routing_replay="r3", recompute_granularity="full"))
+    assert cfg.rollout.return_routed_experts is True
+    assert Config(model=MOE).rollout.return_routed_experts is False
+
+
+def test_recomputed_routers_replay_what_their_forward_replayed(monkeypatch):
+    """Activation recomputation reruns a router in the backward pass, when the schedule may
+    have run later micro-batches' forwards (1F1B): it replays its own forward's routes."""
+    import megatron_grpo.mcore.routing_replay as module
+
+    first = torch.tensor([[[[2, 3]] * L] * 3], dtype=torch.int16)
+    second = torch.tensor([[[[0, 3]] * L] * 3], dtype=torch.int16)
+    replay = _replay("r3", first)
+    layer = LayerReplay(replay, layer=1)
+    with torch.no_grad():  # checkpointed training forwards: no graph kept
+        layer.get_replay_topk(SCORES, 2, default_compute_topk=_topk)
+        replay.set_batch(SimpleNamespace(tokens=replay.batch.tokens, routes=second))
+        layer.get_replay_topk(SCORES, 2, default_compute_topk=_topk)
+    monkeypatch.setattr(module.device, "in_backward", lambda: True)
+    _, again = layer.get_replay_topk(SCORES, 2, default_compute_topk=_topk)
+    assert again.tolist() == [[2, 3]] * 3  # the first micro-batch's, though the second ran last
+    _, again = layer.get_replay_topk(SCORES, 2, default_compute_topk=_topk)
+    assert again.tolist() == [[0, 3]] * 3
+    assert not layer.pending
