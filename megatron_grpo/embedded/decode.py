@@ -13,18 +13,26 @@ the unmodified policy, which is what the trainer recomputes. SGLang by default
 returns the logprob under the temperature-scaled distribution (also before
 top-k/top-p) and the raw one with ``SGLANG_RETURN_ORIGINAL_LOGPROB=1``; the
 two agree at temperature 1 and for greedy decoding.
+
+A row that asks for its routed experts gets them as SGLang returns them: the experts
+of every token the model ran, prompt + output but the last token (``routes.py`` records
+them; ``_RowRoutes`` keeps each row's, without the left padding). Only a batch with such
+a row hooks the routers.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from transformers import PreTrainedModel
 
+from megatron_grpo.embedded.routes import RouteRecorder
 from megatron_grpo.embedded.sampling import sample_next_tokens, token_logprobs
 from megatron_grpo.sglang_api.types import FinishReason, SamplingParams
 
@@ -44,6 +52,8 @@ class SequenceSpec:
     sampling: SamplingParams
     seed: int
     """Seed of this row's generator (the sample's sampling_seed, or one drawn by the engine)."""
+    return_routed_experts: bool = False
+    """Record the experts each of its tokens went to (the model must have MoE layers)."""
 
 
 @dataclass
@@ -51,6 +61,9 @@ class Completion:
     output_ids: list[int]
     logprobs: list[float]
     finish_reason: FinishReason | None = None
+    routed_experts: np.ndarray | None = None
+    """int32 ``[prompt + output tokens - 1, layers, topk]`` when asked for; None too for a
+    row that ended before the model ran it (no budget, or aborted first)."""
 
 
 def generate_batch(
@@ -68,9 +81,15 @@ def generate_batch(
     are looked at one by one (their outputs turn into lists then).
     """
     rows = _Rows(specs, eos_token_ids, next(model.parameters()).device)
+    wants_routes = any(spec.return_routed_experts for spec in specs)
+    routes = _RowRoutes(model, specs, rows.max_new) if wants_routes else None
 
     def finish(ended: list[tuple[int, FinishReason]]) -> None:
         rows.finish(ended)
+        if routes is not None:
+            for row, _ in ended:
+                done = rows.completions[row]
+                done.routed_experts = routes.of(row, len(done.output_ids))
         if on_finish is not None:
             for row, _ in ended:
                 on_finish(row, rows.completions[row])
@@ -89,8 +108,10 @@ def generate_batch(
 
     step = _Stepper(model, [specs[r].prompt_ids for r in live], rows.device)
     index_B = torch.tensor(live, device=rows.device)
-    with torch.inference_mode():
+    with torch.inference_mode(), routes.recorder if routes else contextlib.nullcontext():
         logits_BV = step.prefill()
+        if routes is not None:
+            routes.prefill(step, live)
         for position in range(rows.max_new):
             _abort(rows.completions, before_step, finish)
             tokens_B = rows.sample(logits_BV, index_B, position)
@@ -116,6 +137,8 @@ def generate_batch(
                 index_B = index_B[keep]
                 tokens_B = tokens_B[keep]
             logits_BV = step.decode(tokens_B)
+            if routes is not None:
+                routes.decode(live, position)
     return rows.completions
 
 
@@ -191,6 +214,38 @@ class _Rows:
             done.output_ids, done.logprobs, done.finish_reason = toks, lps, reason
 
 
+class _RowRoutes:
+    """The expert ids of every row's tokens, recorded while ``recorder`` is entered: its
+    prompt's from the prefill, then one per decoding step (the output token fed then)."""
+
+    def __init__(self, model: PreTrainedModel, specs: Sequence[SequenceSpec], max_new: int):
+        self.recorder = RouteRecorder(model)
+        self.specs = specs
+        self.prompt: list[torch.Tensor | None] = [None] * len(specs)
+        num_layers, top_k = len(self.recorder.routers), self.recorder.top_k
+        self.output_NTLK = torch.zeros(len(specs), max_new, num_layers, top_k, dtype=torch.int32)
+
+    def prefill(self, step: _Stepper, live: list[int]) -> None:
+        """Keep each live row's prompt ids from the prefill of the distinct prompts, which
+        ran left-padded to one width."""
+        ids_DWLK = self.recorder.take(*step.input_ids.shape)
+        width = ids_DWLK.shape[1]
+        for d, row in zip(step.prompt_of_row, live, strict=True):
+            self.prompt[row] = ids_DWLK[d, width - len(self.specs[row].prompt_ids) :]
+
+    def decode(self, live: list[int], position: int) -> None:
+        """Keep the ids of output token ``position``, which the live rows just fed."""
+        self.output_NTLK[live, position] = self.recorder.take(len(live), 1)[:, 0]
+
+    def of(self, row: int, num_output: int) -> np.ndarray | None:
+        """The row's ids over prompt + output tokens but the last, if asked for and run."""
+        prompt = self.prompt[row]
+        if not self.specs[row].return_routed_experts or prompt is None:
+            return None
+        every = torch.cat([prompt, self.output_NTLK[row, :num_output]])
+        return every[: len(prompt) + num_output - 1].numpy()
+
+
 def _abort(
     completions: list[Completion],
     before_step: BeforeStep | None,
@@ -223,6 +278,8 @@ class _Stepper:
         self.cache: Any = None  # the model builds the right cache type on the first call
         distinct: dict[tuple[int, ...], int] = {}
         source = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts]
+        self.prompt_of_row = source
+        """Each row's prompt, as an index into the distinct prompts (the prefill's rows)."""
         self.copy_rows = (
             torch.tensor(source, device=device) if len(distinct) < len(prompts) else None
         )

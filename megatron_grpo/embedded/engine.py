@@ -123,14 +123,21 @@ class GenerationEngine:
             return self._paused
 
     def submit(
-        self, rid: str, prompt_ids: tuple[int, ...], sampling: SamplingParams
+        self,
+        rid: str,
+        prompt_ids: tuple[int, ...],
+        sampling: SamplingParams,
+        *,
+        return_routed_experts: bool = False,
     ) -> concurrent.futures.Future[Finished]:
-        """Queue one sequence; cancelling the future aborts it."""
+        """Queue one sequence (with its routed experts: the model must have MoE layers);
+        cancelling the future aborts it."""
         with self._cond:
             if self._stopping:
                 raise RuntimeError("the generation engine is stopped")
             seed = sampling.seed if sampling.seed is not None else self._seeds.getrandbits(63)
-            job = _Job(rid=rid, spec=SequenceSpec(prompt_ids, sampling, seed))
+            spec = SequenceSpec(prompt_ids, sampling, seed, return_routed_experts)
+            job = _Job(rid=rid, spec=spec)
             self._queue.append(job)
             self._cond.notify_all()
             return job.future

@@ -6,7 +6,8 @@ for all, or one per prompt); ``n`` samples per prompt; unknown top-level keys
 ignored; an unknown ``sampling_params`` key rejected with SGLang's message.
 Parameters SGLang knows but this server does not implement are rejected when
 set to anything but their default, so a request never silently means less
-than it says.
+than it says. ``return_routed_experts`` is one bool for the whole body, as in SGLang
+(``megatron_grpo.sglang_api.protocol`` has its format).
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_grpo.sglang_api.protocol import finish_reason_to_json
+import numpy as np
+
+from megatron_grpo.sglang_api.protocol import encode_routed_experts, finish_reason_to_json
 from megatron_grpo.sglang_api.types import FinishReason, SamplingParams
 
 # SGLang 0.5.23's SamplingParams fields, in its order (the 400 message lists them).
@@ -55,6 +58,7 @@ _UNSUPPORTED_TOP_LEVEL: dict[str, tuple[Any, ...]] = {
     "logprob_start_len": (None, -1),
     "top_logprobs_num": (None, 0),
     "token_ids_logprob": (None,),
+    "routed_experts_start_len": (None, 0),
 }
 
 
@@ -71,6 +75,7 @@ class GenerateItem:
     sampling: SamplingParams
     return_logprob: bool
     skip_special_tokens: bool
+    return_routed_experts: bool = False
 
 
 @dataclass(frozen=True)
@@ -98,6 +103,7 @@ def parse_generate_body(body: Any, *, encode: Callable[[str], list[int]] | None)
             if v not in allowed:
                 raise BadRequest(f"{key}={v!r} is not supported by the embedded server")
     rids = _rids(body.get("rid"), num)
+    routes = _bool(body.get("return_routed_experts", False), "return_routed_experts")
     items: list[GenerateItem] = []
     ns = []
     for i, prompt in enumerate(prompts):
@@ -107,7 +113,12 @@ def parse_generate_body(body: Any, *, encode: Callable[[str], list[int]] | None)
             rid = rids[i] if n == 1 else f"{rids[i]}_{j}"
             items.append(
                 GenerateItem(
-                    rid, prompt, sampling, _bool(return_logprob[i], "return_logprob"), skip_special
+                    rid,
+                    prompt,
+                    sampling,
+                    _bool(return_logprob[i], "return_logprob"),
+                    skip_special,
+                    routes,
                 )
             )
     if len(set(ns)) > 1:
@@ -129,8 +140,10 @@ def generate_answer(
     text: str,
     token_texts: Sequence[str | None] | None,
     e2e_latency_s: float,
+    routed_experts: np.ndarray | None = None,
 ) -> dict[str, Any]:
-    """One result object of the ``/generate`` answer, as SGLang writes it."""
+    """One result object of the ``/generate`` answer, as SGLang writes it (``routed_experts``
+    only when the item asked and the sequence ran)."""
     meta: dict[str, Any] = {
         "id": item.rid,
         "finish_reason": finish_reason_to_json(finish_reason),
@@ -145,6 +158,8 @@ def generate_answer(
         meta["output_token_logprobs"] = [
             [float(lp), int(tok), t] for lp, tok, t in zip(logprobs, output_ids, texts)
         ]
+    if item.return_routed_experts and routed_experts is not None:
+        meta["routed_experts"] = encode_routed_experts(routed_experts)
     return {"text": text, "output_ids": list(output_ids), "meta_info": meta}
 
 

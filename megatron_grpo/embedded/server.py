@@ -13,7 +13,9 @@ Differences from SGLang worth knowing:
   requests get HTTP 400 rather than a silently different answer;
 - ``/update_weights_from_tensor`` takes a safetensors body (``weights.py``), and the
   distributed update joins gloo groups only (``weight_routes.py``);
-- ``/health_generate`` answers 200 while paused instead of timing out.
+- ``/health_generate`` answers 200 while paused instead of timing out;
+- ``return_routed_experts`` needs no server flag (a model without MoE layers gets 400),
+  and ``routed_experts_start_len`` is not implemented (400 unless 0).
 
 With ``api_key`` (SGLang's ``--api-key``) every endpoint but ``/health`` and
 ``/health_generate`` wants ``Authorization: Bearer <key>`` (``auth.py``); a server that
@@ -49,6 +51,7 @@ from megatron_grpo.embedded.protocol import (
     generate_answer,
     parse_generate_body,
 )
+from megatron_grpo.embedded.routes import has_moe_layers
 from megatron_grpo.embedded.weight_routes import WeightRoutes, json_object, outcome
 from megatron_grpo.embedded.weights import (
     TENSOR_CONTENT_TYPE,
@@ -86,6 +89,7 @@ class _Server:
         self.port = 0
         config = engine.model.config
         self.max_context = getattr(config, "max_position_embeddings", None)
+        self.routes_experts = has_moe_layers(engine.model)
 
     def app(self, api_key: str | None = None) -> web.Application:
         """The routes; with ``api_key``, answered only to requests that carry it."""
@@ -121,10 +125,16 @@ class _Server:
             parsed = parse_generate_body(body, encode=encode)
             for item in parsed.items:
                 self._check_length(item)
+                self._check_routes(item)
         except ValueError as err:  # BadRequest, and json.JSONDecodeError too
             return web.json_response({"error": str(err)}, status=400)
         try:
-            futures = [self.engine.submit(i.rid, i.prompt_ids, i.sampling) for i in parsed.items]
+            futures = [
+                self.engine.submit(
+                    i.rid, i.prompt_ids, i.sampling, return_routed_experts=i.return_routed_experts
+                )
+                for i in parsed.items
+            ]
         except RuntimeError as err:
             return web.json_response({"error": str(err)}, status=503)
         try:
@@ -155,6 +165,14 @@ class _Server:
         if bad:
             raise BadRequest(f"input_ids {bad[:5]} are outside the vocabulary of {vocab}")
 
+    def _check_routes(self, item: GenerateItem) -> None:
+        if item.return_routed_experts and not self.routes_experts:
+            model = type(self.engine.model).__name__
+            raise BadRequest(
+                f"return_routed_experts=true, but the served model ({model}) has no "
+                "mixture-of-experts layers whose routed experts could be returned"
+            )
+
     def _answer(
         self, item: GenerateItem, done: Finished, latency_s: float, text_in_logprobs: bool
     ) -> dict[str, Any]:
@@ -174,6 +192,7 @@ class _Server:
             text=text,
             token_texts=token_texts,
             e2e_latency_s=latency_s,
+            routed_experts=done.completion.routed_experts,
         )
 
     async def health(self, request: web.Request) -> web.Response:

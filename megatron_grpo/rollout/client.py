@@ -199,17 +199,21 @@ class SGLangClient(EngineCalls):
             sampling = dataclasses.replace(request.sampling, max_new_tokens=left)
             items.append((request.prompts[p] + tuple(x.output), sampling, seed))
         first_server = next(self._next_url)
+        routes = self.config.return_routed_experts
 
         async def attempt(k: int) -> Any:
             # Fresh rids per attempt: the server may still hold the previous ones.
             rids = [f"{rid_base}-s{x.sample_index}-a{k}" for x in pending]
             if self.config.group_requests:
                 payload = build_batch_payload(
-                    [(ids, sampling, rid, seed) for (ids, sampling, seed), rid in zip(items, rids)]
+                    [(ids, sampling, rid, seed) for (ids, sampling, seed), rid in zip(items, rids)],
+                    return_routed_experts=routes,
                 )
             else:
                 ((ids, sampling, seed),) = items
-                payload = build_generate_payload(ids, sampling, rid=rids[0], seed=seed)
+                payload = build_generate_payload(
+                    ids, sampling, rid=rids[0], seed=seed, return_routed_experts=routes
+                )
             # Round-robin for the first attempt; each retry moves to the next server.
             url = self._urls[(first_server + k) % len(self._urls)]
             async with self._semaphore:
@@ -221,7 +225,12 @@ class SGLangClient(EngineCalls):
             raise RolloutHTTPError(url=err.url, status=err.status, body=err.body) from err
         except http.RetriesExhausted as err:
             raise _gave_up(err) from err
-        return parse_batch_response(answer, len(pending))
+        return parse_batch_response(
+            answer,
+            len(pending),
+            num_layers=self.config.num_layers if routes else None,
+            input_lengths=[len(ids) for ids, _, _ in items],
+        )
 
     async def _post_generate(self, url: str, payload: dict[str, Any], rids: list[str]) -> Any:
         """One attempt: the decoded answer, or the error that ended it.

@@ -34,6 +34,12 @@ class ClientConfig:
     api_key: str | None = field(default=None, repr=False)
     """Sent with every request as ``Authorization: Bearer <key>`` (SGLang's ``--api-key``);
     None sends none. Left out of ``repr`` so that it stays out of logs."""
+    return_routed_experts: bool = False
+    """Ask for each token's routed experts (``Generation.routed_experts``): needs a
+    mixture-of-experts model on servers started with ``--enable-return-routed-experts``."""
+    num_layers: int | None = None
+    """The model's layer count, which every answer's routes must have; required with
+    ``return_routed_experts``."""
 
     @property
     def headers(self) -> dict[str, str]:
@@ -59,6 +65,11 @@ class ClientConfig:
         for name, value in timeouts.items():
             if not value > 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
+        if self.return_routed_experts and (self.num_layers is None or self.num_layers < 1):
+            raise ValueError(
+                f"return_routed_experts needs num_layers >= 1 (the model's layer count), "
+                f"got {self.num_layers}"
+            )
         key = self.api_key
         if key is not None and not (key and key.isascii() and key.isprintable()):
             raise ValueError("ClientConfig.api_key must be a non-empty string of printable ASCII")

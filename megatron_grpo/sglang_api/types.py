@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+import numpy as np
+
 FinishType = Literal["stop", "length", "abort"]
 
 
@@ -107,6 +109,10 @@ class Generation:
     version_spans: tuple[tuple[str | None, int], ...] = ()
     """(weight version, token count) of each run of output tokens one version generated,
     in order: one span unless a weight update came while the sample was generating."""
+    routed_experts: np.ndarray | None = field(default=None, compare=False, repr=False)
+    """The experts each token went to, int32 ``[len(prompt_ids) + len(output_ids) - 1,
+    layers, topk]``: every token but the last (which the server never forwarded), as
+    SGLang's ``meta_info.routed_experts``; None when not asked for."""
 
     def __post_init__(self) -> None:
         if len(self.output_ids) != len(self.rollout_logprobs):
@@ -118,4 +124,12 @@ class Generation:
             raise ValueError(
                 f"sample ({self.prompt_index}, {self.sample_index}) has "
                 f"{len(self.output_ids)} output tokens but version spans {self.version_spans}"
+            )
+        positions = len(self.prompt_ids) + len(self.output_ids) - 1
+        routes = self.routed_experts
+        if routes is not None and (routes.ndim != 3 or routes.shape[0] != positions):
+            raise ValueError(
+                f"sample ({self.prompt_index}, {self.sample_index}) has {len(self.prompt_ids)} "
+                f"prompt + {len(self.output_ids)} output tokens, so {positions} routed positions, "
+                f"but routed_experts of shape {routes.shape} (want [positions, layers, topk])"
             )
