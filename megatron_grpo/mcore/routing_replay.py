@@ -80,6 +80,9 @@ class RoutingReplay:
         self.trains = False
         """An optimizer step's forwards run (not a forward-only log-prob pass)."""
         self.agree = torch.zeros(num_layers, dtype=torch.float64)
+        """Per layer, the engine-routed tokens the forward sent to the engine's experts."""
+        self.own = torch.zeros(num_layers, dtype=torch.float64)
+        """Per layer, those the learner's routers would have sent there themselves."""
         self.total = torch.zeros(num_layers, dtype=torch.float64)
         self.layers: list[LayerReplay] = []
 
@@ -97,8 +100,8 @@ class RoutingReplay:
     def training_step(self) -> Iterator[None]:
         """An optimizer step's forward and backward passes: they count the agreement, and
         recomputed routers replay what their forward replayed."""
-        self.agree.zero_()
-        self.total.zero_()
+        for counts in (self.agree, self.own, self.total):
+            counts.zero_()
         for layer in self.layers:
             layer.pending.clear()
         self.trains = True
@@ -146,32 +149,40 @@ class RoutingReplay:
             view = chosen.view(positions, B, K).transpose(0, 1)[:, : stop - start]
             batch.learner_routes[:, start:stop, layer - 1] = view.to(torch.int16)
 
-    def count(self, layer: int, chosen: Tensor, engine: Tensor) -> None:
-        """Token-layer agreement: the rows where the engine routed (>= 0), and of them those
-        whose top-k set equals ``chosen``'s."""
+    def count(self, layer: int, used: Tensor, own: Tensor, engine: Tensor) -> None:
+        """Token-layer agreement over the rows the engine routed (>= 0): those whose top-k
+        set in the forward (``used``) and that of the learner's routers (``own``) equal the
+        engine's."""
         routed = (engine >= 0).all(dim=1)
-        same = (chosen.sort(dim=1).values == engine.sort(dim=1).values).all(dim=1)
-        self.agree[layer - 1] += float((same & routed).sum())
+        engine_set = engine.sort(dim=1).values
+        for counts, chosen in ((self.agree, used), (self.own, own)):
+            same = (chosen.sort(dim=1).values == engine_set).all(dim=1)
+            counts[layer - 1] += float((same & routed).sum())
         self.total[layer - 1] += float(routed.sum())
 
     def step_metrics(self) -> dict[str, float | None]:
-        """The fraction of token-layer top-k sets that were the engine's, over all layers
-        and in the worst layer; None without the engine's routes. Collective (world)."""
-        totals = torch.cat([self.agree, self.total])
+        """Of the token-layer top-k sets the engine chose: the fraction the forward passes
+        used (over all layers and in the worst layer; 1 under R3) and the fraction the
+        learner's routers chose themselves (replay or not); None without the engine's
+        routes. Collective (world)."""
+        totals = torch.cat([self.agree, self.own, self.total])
         if self.ctx.world_size > 1:
             from megatron_grpo.mcore.device import compute_device
 
             on_device = totals.to(compute_device())  # nccl reduces GPU tensors only
             dist.all_reduce(on_device)
             totals = on_device.cpu()
-        agree, total = totals.chunk(2)
+        agree, own, total = totals.chunk(3)
+        names = ("router_agreement", "router_agreement_min_layer", "router_agreement_own")
         if not float(total.sum()):
-            return {"router_agreement": None, "router_agreement_min_layer": None}
+            return dict.fromkeys(names)
         measured = total > 0
-        return {
-            "router_agreement": float(agree.sum() / total.sum()),
-            "router_agreement_min_layer": float((agree[measured] / total[measured]).min()),
-        }
+        figures = (
+            agree.sum() / total.sum(),
+            (agree[measured] / total[measured]).min(),
+            own.sum() / total.sum(),
+        )
+        return {name: float(x) for name, x in zip(names, figures)}
 
 
 class LayerReplay:
@@ -198,7 +209,9 @@ class LayerReplay:
         wanted = self._wanted(chosen, topk)
         if run == "checkpointed":
             self.pending.append(wanted)
-        return self._apply(scores, values, chosen, wanted)
+        values, indices = self._apply(scores, values, chosen, wanted)
+        self._count(chosen, indices)
+        return values, indices
 
     @staticmethod
     def _apply(scores: Tensor, values: Tensor, chosen: Tensor, wanted: Tensor | None):
@@ -208,29 +221,38 @@ class LayerReplay:
         indices = torch.where(given, wanted, chosen)
         return scores.gather(1, indices), indices
 
+    def _local(self, routes_BSLK: Tensor, positions: int) -> Tensor:
+        """This router's layer of ``routes_BSLK`` for its tokens, in its order."""
+        return router_order(routes_BSLK[:, :, self.layer - 1], positions, self.replay.ctx).long()
+
     def _wanted(self, chosen: Tensor, topk: int) -> Tensor | None:
         """[S_local B, K] the experts this forward replays (-1 rows: the router's own), or
-        None; records (R2) and counts the agreement on the way."""
+        None; records them on the way (R2)."""
         replay = self.replay
         if replay.batch is None:
             return None
         if replay.records:
             replay.record(self.layer, chosen)
             return None
-        positions = chosen.shape[0] // replay.batch.tokens.shape[0]
-        engine, targets = replay.batch.routes, replay.targets()
-        for routes in (engine, targets):
+        for routes in (replay.batch.routes, replay.targets()):
             if routes is not None and routes.shape[-1] != topk:
                 raise ValueError(
                     f"layer {self.layer} replays {routes.shape[-1]} experts a token, the "
                     f"router picks model.moe_router_topk={topk}"
                 )
-        if engine is not None and replay.trains:
-            mine = router_order(engine[:, :, self.layer - 1], positions, replay.ctx).long()
-            replay.count(self.layer, chosen, mine)
+        targets = replay.targets()
         if targets is None:
             return None
-        return router_order(targets[:, :, self.layer - 1], positions, replay.ctx).long()
+        return self._local(targets, chosen.shape[0] // replay.batch.tokens.shape[0])
+
+    def _count(self, own: Tensor, used: Tensor) -> None:
+        """The agreement with the engine's routes, in a training forward that has them."""
+        replay = self.replay
+        batch = replay.batch
+        if batch is None or batch.routes is None or not replay.trains or replay.records:
+            return
+        engine = self._local(batch.routes, own.shape[0] // batch.tokens.shape[0])
+        replay.count(self.layer, used, own, engine)
 
 
 def routing_replay(model: list) -> RoutingReplay | None:

@@ -17,15 +17,25 @@ from megatron_grpo.rollout.servers import (
     launch_servers,
 )
 
+ROUTED_EXPERTS_FLAG = "--enable-return-routed-experts"
+"""SGLang's server flag without which a request's ``return_routed_experts`` is refused."""
 
-def start_or_attach(cfg: EnginesConfig, model_path: str | None) -> ServerGroup:
-    """The SGLang servers of ``cfg``: started from ``launch_command``, or attached at ``urls``."""
+
+def start_or_attach(
+    cfg: EnginesConfig, model_path: str | None, *, routed_experts: bool = False
+) -> ServerGroup:
+    """The SGLang servers of ``cfg``: started from ``launch_command`` (with
+    ``ROUTED_EXPERTS_FLAG`` added for ``routed_experts`` unless it is there), or attached at
+    ``urls``."""
     if cfg.launch_command is None:
         return attach_servers(cfg.urls, router_url=cfg.router_url, timeout_s=cfg.startup_timeout_s)
     log_dir = cfg.log_dir or tempfile.mkdtemp(prefix="mgrpo_sglang_logs_")
+    command = cfg.launch_command
+    if routed_experts and ROUTED_EXPERTS_FLAG not in command.split():
+        command += f" {ROUTED_EXPERTS_FLAG}"
     return launch_servers(
         LaunchConfig(
-            command=cfg.launch_command,
+            command=command,
             num_servers=cfg.num_servers,
             host=cfg.host,
             model=model_path,

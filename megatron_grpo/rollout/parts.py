@@ -25,10 +25,14 @@ class RolloutSettings:
     reward: RewardConfig
     advantages: AdvantageConfig
     seed: int
+    routed_layers: int | None = None
+    """The policy's layer count, when the engines return routed experts (their routes'
+    second dimension)."""
 
     @classmethod
     def of(cls, cfg: Config) -> RolloutSettings:
-        return cls(cfg.rollout, cfg.data, cfg.reward, cfg.advantages, cfg.seed)
+        layers = cfg.model.num_layers if cfg.rollout.return_routed_experts else None
+        return cls(cfg.rollout, cfg.data, cfg.reward, cfg.advantages, cfg.seed, layers)
 
 
 @dataclass

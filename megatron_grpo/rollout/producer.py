@@ -223,7 +223,10 @@ def _produce(spec: ProducerSpec, control: Any, results: Any) -> None:
             _place(spec.settings.rollout.producer_cpus)
         parts = RolloutParts.build(spec.settings, spec.tokenizer_path, spec.sampler_state)
         runtime = RolloutRuntime(
-            spec.settings.rollout, seed=spec.settings.seed, attach_to=spec.engine_urls
+            spec.settings.rollout,
+            seed=spec.settings.seed,
+            attach_to=spec.engine_urls,
+            routed_layers=spec.settings.routed_layers,
         )
     except BaseException as err:
         outbox.put(_error(None, err))

@@ -69,13 +69,15 @@ class RolloutRuntime:
         model_path: str | None = None,
         model_cfg: ModelConfig | None = None,
         attach_to: tuple[str, ...] | None = None,
+        routed_layers: int | None = None,
     ):
         """``model_path`` fills ``{model}`` in ``cfg.engines.launch_command``; ``model_cfg``
         (and its ``hf_family``) names the model in the directory a ``disk`` push writes.
 
         ``attach_to``: the engines (and ``cfg.engines.router_url``) that another process's runtime
         started and pushes weights to; this one generates with them and starts, registers
-        and stops nothing (the rollout producer's process)."""
+        and stops nothing (the rollout producer's process). ``routed_layers``: the policy's
+        layer count, which the routes of ``cfg.return_routed_experts`` have."""
         from megatron_grpo.mcore import device
         from megatron_grpo.rollout.client import SGLangClient
         from megatron_grpo.rollout.stage_sender import StageSender
@@ -97,8 +99,15 @@ class RolloutRuntime:
         )
         self.io = IOLoop()
 
+        if cfg.return_routed_experts and routed_layers is None:
+            raise ValueError("rollout.return_routed_experts needs the policy's layer count")
+
         def client(urls: tuple[str, ...]) -> SGLangClient:
             config = client_config(cfg, urls)
+            if cfg.return_routed_experts:
+                config = dataclasses.replace(
+                    config, return_routed_experts=True, num_layers=routed_layers
+                )
             if cfg.engines.router_url is not None and urls == (cfg.engines.router_url,):
                 config = dataclasses.replace(config, group_requests=False)  # the router's way
 
@@ -158,7 +167,9 @@ class RolloutRuntime:
                 api_key=api_key_from_env(cfg.engines.api_key_env),
             )
             return (self.server.url,), (self.server.url,)
-        self.servers = engines.start_or_attach(cfg.engines, model_path)
+        self.servers = engines.start_or_attach(
+            cfg.engines, model_path, routed_experts=bool(cfg.return_routed_experts)
+        )
         return self.servers.generate_urls, self.servers.urls
 
     def generate_groups(

@@ -307,6 +307,7 @@ class _RolloutSide:
             weight_version=str(start_step),
             model_path=self.inputs.model_path,
             model_cfg=cfg.model,
+            routed_layers=settings.routed_layers,
         )
 
     def collect(self, step: int):

@@ -144,3 +144,95 @@ class _TPRankZero:
 
     def __getattr__(self, name):
         return 0 if name == "tp_rank" else getattr(self._ctx, name)
+
+
+def engine_mismatch(*, mode: str, perturbed: bool, seed: int = 5) -> dict | None:
+    """One on-policy optimizer step (lr 0) of a tiny Qwen3-MoE on samples its own weights
+    generated through the embedded engine's decode, with their routes; the step's metrics.
+
+    ``perturbed``: the engine's routers select their experts from logits with a relative
+    error (``_noisy_selection``), as an engine's forward in other kernels and precision
+    does; near-ties then go the other way, nothing else changes (the gates are exact, so
+    replayed routes bring the log-probs back to the learner's). ``mode``:
+    ``train.routing_replay``."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from megatron_grpo.algo.batch import make_samples
+    from megatron_grpo.commands.invariance.cases import default_moe_model
+    from megatron_grpo.commands.invariance.reference import hf_model
+    from megatron_grpo.config import LossConfig, OptimConfig, TrainConfig
+    from megatron_grpo.embedded.decode import SequenceSpec, generate_batch
+    from megatron_grpo.mcore.optim import build_optimizer
+    from megatron_grpo.rollout.stage import sample_routes
+    from megatron_grpo.sglang_api.types import SamplingParams
+    from megatron_grpo.train.step import StepSettings, train_on_rollout
+
+    cfg = dataclasses.replace(default_moe_model(), num_experts=8, moe_aux_loss_coeff=0.0)
+    ctx = init_parallel(ParallelDims())
+    optim = OptimConfig(optimizer="sgd", lr=0.0, clip_grad=0.0, use_distributed_optimizer=False)
+    model = build_model(cfg, ctx, optim=optim, train=TrainConfig(routing_replay=mode))
+    torch.manual_seed(seed)
+    state = gather_full_state(model, ctx, vocab_size=cfg.vocab_size, grads=False)
+    engine = hf_model(state, cfg).eval()
+    if perturbed:
+        for layer in engine.model.layers:
+            layer.mlp.gate.register_forward_hook(_noisy_selection)
+    g = torch.Generator().manual_seed(seed)
+    prompts = [
+        tuple(torch.randint(1, cfg.vocab_size, (6,), generator=g).tolist()) for _ in range(8)
+    ]
+    sampling = SamplingParams(max_new_tokens=24, temperature=1.0)
+    specs = [
+        SequenceSpec(
+            prompt_ids=tuple(p), sampling=sampling, seed=seed + i, return_routed_experts=True
+        )
+        for i, p in enumerate(prompts)
+    ]
+    done = generate_batch(engine, specs, eos_token_ids=frozenset())
+    tokens = [list(s.prompt_ids) + d.output_ids for s, d in zip(specs, done)]
+    masks = [[0.0] * len(s.prompt_ids) + [1.0] * len(d.output_ids) for s, d in zip(specs, done)]
+    rollout = [[0.0] * len(s.prompt_ids) + d.logprobs for s, d in zip(specs, done)]
+    gens = [SimpleNamespace(routed_experts=d.routed_experts) for d in done]
+    samples = make_samples(
+        tokens,
+        masks,
+        advantages=[1.0, -1.0] * 4,
+        groups=[i // 2 for i in range(8)],
+        rollout_logprobs=rollout,
+        routes=sample_routes(gens, [len(t) for t in tokens]),
+    )
+    optimizer, scheduler = build_optimizer(optim, cfg, model, ctx)
+    settings = StepSettings(
+        global_batch_size=len(samples),
+        num_iterations=1,
+        max_tokens_per_micro_batch=256,
+        pack=True,
+        vocab_size=cfg.vocab_size,
+        max_len=24,
+    )
+    (metrics,) = train_on_rollout(model, optimizer, scheduler, ctx, samples, LossConfig(), settings)
+    keys = ("logprob_mismatch", "logprob_mismatch_max", "router_agreement", "router_agreement_own")
+    return {k: metrics[k] for k in keys} if ctx.is_main else None
+
+
+SELECTION_ERROR = 0.05
+"""Relative error of the engine's router logits in the selection of ``perturbed``: a few
+percent of the top-2 sets of 8 experts change, as Megatron-LM #4168 measured between
+inference and training forwards of Qwen3-30B-A3B (about 10%); the tiny model's own
+bfloat16 rounding flips none of its 480 token-layers."""
+
+
+def _noisy_selection(gate, args, output):
+    """A transformers Qwen3-MoE router's output with its experts selected from its logits
+    times (1 + SELECTION_ERROR x N(0, 1)) and its gates computed as before (softmax in fp32,
+    renormalized over the selected experts)."""
+    logits, _, _ = output
+    g = torch.Generator().manual_seed(logits.shape[0])
+    noise = torch.randn(logits.shape, generator=g, dtype=torch.float32)
+    chosen = torch.topk(logits * (1 + SELECTION_ERROR * noise), gate.top_k, dim=-1).indices
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    top = probs.gather(1, chosen)
+    if gate.norm_topk_prob:
+        top = top / top.sum(dim=-1, keepdim=True)
+    return logits, top.to(logits.dtype), chosen

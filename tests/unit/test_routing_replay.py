@@ -83,10 +83,7 @@ def _replay(mode: str, routes=None, recording: bool = False):
     replay.records = recording
     replay.trains = not recording
     replay.layers = []
-    replay.agree, replay.total = (
-        torch.zeros(L, dtype=torch.float64),
-        torch.zeros(L, dtype=torch.float64),
-    )
+    replay.agree, replay.own, replay.total = (torch.zeros(L, dtype=torch.float64) for _ in range(3))
     tokens = torch.zeros(1, 3, dtype=torch.long)
     replay.set_batch(SimpleNamespace(tokens=tokens, routes=routes, learner_routes=None))
     return replay
@@ -107,10 +104,16 @@ def test_r3_replays_given_rows_and_routes_the_rest_itself():
         values, indices = layer.get_replay_topk(SCORES, 2, default_compute_topk=_topk)
     assert indices.tolist() == [[2, 3], [3, 2], [1, 2]]
     assert values.tolist() == [[1.0, 0.0], [5.0, 4.0], [5.0, 4.0]]  # the router's own scores
-    # agreement: token 0 differs, token 1 agrees (as a set), token 2 has no engine route
-    assert layer.replay.agree.tolist() == [1.0, 0.0] and layer.replay.total.tolist() == [2.0, 0.0]
-    metrics = layer.replay.step_metrics()
-    assert metrics == {"router_agreement": 0.5, "router_agreement_min_layer": 0.5}
+    # the routers' own choice: token 0 differs, token 1 agrees (as a set); token 2 has no
+    # engine route; the forward used the engine's for both
+    replay = layer.replay
+    assert replay.own.tolist() == [1.0, 0.0] and replay.total.tolist() == [2.0, 0.0]
+    assert replay.agree.tolist() == [2.0, 0.0]
+    assert replay.step_metrics() == {
+        "router_agreement": 1.0,
+        "router_agreement_min_layer": 1.0,
+        "router_agreement_own": 0.5,
+    }
 
 
 def test_off_measures_agreement_without_replaying():
@@ -120,6 +123,7 @@ def test_off_measures_agreement_without_replaying():
         _, indices = layer.get_replay_topk(SCORES, 2, default_compute_topk=_topk)
     assert indices.tolist() == [[0, 1], [3, 2], [1, 2]]
     assert layer.replay.agree.tolist() == [0.0, 2.0] and layer.replay.total.tolist() == [0.0, 3.0]
+    assert layer.replay.own.tolist() == [0.0, 2.0]  # without replay the same
 
 
 def test_r2_records_the_routers_choice_then_replays_it():

@@ -98,7 +98,7 @@ def _sample_loss(
     return (per_token * m).sum()
 
 
-def _hf_model(state: dict[str, Tensor], cfg: ModelConfig):
+def hf_model(state: dict[str, Tensor], cfg: ModelConfig):
     """The transformers model of ``cfg`` holding the megatron ``state``."""
     from megatron_grpo.convert.weights import megatron_to_hf
     from megatron_grpo.embedded.weights import hf_model_from_state
@@ -193,7 +193,7 @@ def reference_gradient(
         hf_to_megatron,
     )
 
-    policy, ref = _hf_model(state, model_cfg), _hf_model(ref_state, model_cfg).eval()
+    policy, ref = hf_model(state, model_cfg), hf_model(ref_state, model_cfg).eval()
     policy.train()
     moe = {"output_router_logits": True} if model_cfg.is_moe else {}
     aux_weight = model_cfg.moe_aux_loss_coeff / len(samples)

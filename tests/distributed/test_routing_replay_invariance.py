@@ -7,6 +7,7 @@ the routers rerun by full recomputation at PP 2."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ import pytest
 from megatron_grpo.commands.invariance import REFERENCE, Layout, check
 from megatron_grpo.commands.invariance.cases import default_moe_model
 from megatron_grpo.config import MODES
+from megatron_grpo.launch import run_workers
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -71,3 +73,20 @@ def test_recomputed_routers_keep_their_micro_batch_under_1f1b(features):
     errors = _check(*features, layouts=[Layout.parse("2x1x2x2")])
     bad = {name: e for name, e in errors["2x1x2x2"].items() if max(e.values()) > TOLERANCE}
     assert len(errors["2x1x2x2"]) == len(MODES) * 8 * 2 and not bad, bad
+
+
+@pytest.mark.timeout(300)
+def test_r3_brings_an_engine_that_routes_otherwise_back_to_the_dense_mismatch():
+    """The engine (the embedded engine's decode, on the learner's weights) selects experts
+    from logits with a 5% error; its gates are exact. Without replay some top-k sets differ
+    and the log-prob mismatch is far above the float32 level; with R3 the learner uses the
+    engine's experts and the mismatch is back at it (docs/options.md, "Routing replay")."""
+    run = functools.partial(run_workers, f"{WORKERS}:engine_mismatch", 1, timeout=240)
+    (exact,) = run(kwargs={"mode": "off", "perturbed": False})
+    (off,) = run(kwargs={"mode": "off", "perturbed": True})
+    (r3,) = run(kwargs={"mode": "r3", "perturbed": True})
+    assert exact["router_agreement"] == 1.0 and exact["logprob_mismatch"] <= 1e-6
+    assert off["router_agreement"] < 0.99 and off["router_agreement_own"] < 0.99
+    assert off["logprob_mismatch"] > 100 * exact["logprob_mismatch"]
+    assert r3["router_agreement"] == 1.0 and r3["router_agreement_own"] < 0.99
+    assert r3["logprob_mismatch"] <= 1e-6 and r3["logprob_mismatch_max"] <= 1e-5
