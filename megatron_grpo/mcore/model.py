@@ -197,7 +197,9 @@ def build_model(
 
         chunks[0].router_balance = RouterBalance(chunks, cfg, ctx)
         replay = train.routing_replay if train is not None else "off"
-        chunks[0].routing_replay = RoutingReplay(chunks, replay, ctx, cfg.num_layers)
+        chunks[0].routing_replay = RoutingReplay(
+            chunks, replay, ctx, cfg.num_layers, cfg.num_experts or 0
+        )
     if torch.cuda.is_available():
         chunks = [c.cuda() for c in chunks]
     if not wrap_ddp:

@@ -71,10 +71,15 @@ def router_pass(trains: bool) -> str:
 class RoutingReplay:
     """The routers of one model (all its chunks): what they replay, what they record."""
 
-    def __init__(self, model: list, mode: str, ctx: ParallelContext, num_layers: int) -> None:
+    def __init__(
+        self, model: list, mode: str, ctx: ParallelContext, num_layers: int, num_experts: int
+    ) -> None:
         if mode not in ("off", "r2", "r3"):
             raise ValueError(f"routing replay mode must be off, r2 or r3, got {mode!r}")
         self.mode, self.ctx = mode, ctx
+        self.num_experts = num_experts
+        self._checked: set[int] = set()
+        """The micro-batches whose routes were checked (by id)."""
         self.batch: Any = None
         self.records = False
         self.trains = False
@@ -93,8 +98,22 @@ class RoutingReplay:
         compat.set_router_replay(model, make)
 
     def set_batch(self, batch) -> None:
-        """The micro-batch the next forward runs (``routes``, ``learner_routes``)."""
+        """The micro-batch the next forward runs (``routes``, ``learner_routes``); the
+        engine's routes are checked against the model the first time."""
         self.batch = batch
+        routes = getattr(batch, "routes", None)
+        if routes is not None and id(batch) not in self._checked:
+            self._checked.add(id(batch))
+            if routes.numel() and int(routes.max()) >= self.num_experts:
+                raise ValueError(
+                    f"the engine routed tokens to expert {int(routes.max())}: the model has "
+                    f"model.num_experts={self.num_experts} (the engines serve another model?)"
+                )
+            if routes.shape[2] != len(self.total):
+                raise ValueError(
+                    f"the engine's routes cover {routes.shape[2]} layers, the model has "
+                    f"model.num_layers={len(self.total)}"
+                )
 
     @contextlib.contextmanager
     def training_step(self) -> Iterator[None]:
@@ -110,6 +129,7 @@ class RoutingReplay:
         finally:
             self.trains = False
             self.batch = None
+            self._checked.clear()
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[None]:
@@ -163,7 +183,7 @@ class RoutingReplay:
     def step_metrics(self) -> dict[str, float | None]:
         """Of the token-layer top-k sets the engine chose: the fraction the forward passes
         used (over all layers and in the worst layer; 1 under R3) and the fraction the
-        learner's routers chose themselves (replay or not); None without the engine's
+        learner's routers chose themselves (replay or not); none without the engine's
         routes. Collective (world)."""
         totals = torch.cat([self.agree, self.own, self.total])
         if self.ctx.world_size > 1:
@@ -175,7 +195,7 @@ class RoutingReplay:
         agree, own, total = totals.chunk(3)
         names = ("router_agreement", "router_agreement_min_layer", "router_agreement_own")
         if not float(total.sum()):
-            return dict.fromkeys(names)
+            return {}
         measured = total > 0
         figures = (
             agree.sum() / total.sum(),

@@ -21,7 +21,8 @@ LIKELY_CAUSES = (
     "the engines' weights are not the learner's (not pushed, or pushed wrong: "
     "rollout.sync.check names a weight an engine loads wrongly), the tokens trained are "
     "not the tokens sampled (a tokenizer or chat template that differs, e.g. a rollout "
-    "hook that re-tokenizes text), MoE routing without replay, a dtype mismatch "
+    "hook that re-tokenizes text), MoE routing without replay (train.routing_replay=r3), "
+    "a dtype mismatch "
     "(model.params_dtype against the engine's dtype)"
 )
 

@@ -12,6 +12,7 @@ from megatron_grpo.commands.memory_model import (
     activation_bytes_per_token_layer,
     layer_params,
     layers_in_flight,
+    routes_bytes,
     stage_params,
     total_params,
 )
@@ -354,3 +355,27 @@ def test_expert_optimizer_states_shard_over_expert_dp():
     dense = stage.total - stage.expert_params
     expected = optimizer_bytes_per_param(cfg) * (dense / 4 + stage.expert_params / 2)
     assert mem.optimizer == pytest.approx(expected)
+
+
+def test_routing_replay_routes_by_hand(capsys):
+    """int16 routes, 2 layers x top-2 a token: 8 B a token for the engine's (R3) and 8 B for
+    the learner's own (R2); a step of 4 x 2 samples of at most 10 + 6 tokens over DP 2."""
+    step = [
+        *TINY_MOE,
+        "rollout.prompts_per_step=4",
+        "rollout.samples_per_prompt=2",
+        "data.max_prompt_length=10",
+        "rollout.max_new_tokens=6",
+        "train.max_tokens_per_micro_batch=64",
+    ]
+    assert dry_run(load_config(None, step), world_size=2).memory[0].routes == 0
+    r3 = load_config(None, [*step, "train.routing_replay=r3"])
+    assert dry_run(r3, world_size=2).memory[0].routes == 4 * 16 * 8
+    assert routes_bytes(r3, dp=2) == (64 * 8, 4 * 16 * 8)
+    r2 = [*step, "train.routing_replay=r2"]
+    assert routes_bytes(load_config(None, r2), dp=2) == (64 * 8, 4 * 16 * 8)
+    both = load_config(None, [*r2, "rollout.return_routed_experts=true"])
+    assert routes_bytes(both, dp=2) == (64 * 16, 4 * 16 * 16)
+    flags = [f"--set={x}" for x in (*step, "train.routing_replay=r3")]
+    assert cli.main(["train", *flags, "--dry-run", "--world-size", "2"]) == 0
+    assert "engine's routes, 2 layers x top-2 x 2 B a token" in capsys.readouterr().out

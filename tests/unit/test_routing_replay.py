@@ -80,6 +80,7 @@ def test_router_order_is_sequence_major_and_sliced_under_sequence_parallelism():
 def _replay(mode: str, routes=None, recording: bool = False):
     replay = object.__new__(RoutingReplay)
     replay.mode, replay.ctx = mode, _ctx()
+    replay.num_experts, replay._checked = 4, set()
     replay.records = recording
     replay.trains = not recording
     replay.layers = []
@@ -192,3 +193,14 @@ def test_recomputed_routers_replay_what_their_forward_replayed(monkeypatch):
     _, again = layer.get_replay_topk(SCORES, 2, default_compute_topk=_topk)
     assert again.tolist() == [[0, 3]] * 3
     assert not layer.pending
+
+
+def test_routes_of_another_model_are_refused_by_name():
+    replay = _replay("r3")
+    tokens = torch.zeros(1, 3, dtype=torch.long)
+    other = torch.full((1, 3, L, K), 7, dtype=torch.int16)
+    with pytest.raises(ValueError, match="expert 7: the model has model.num_experts=4"):
+        replay.set_batch(SimpleNamespace(tokens=tokens, routes=other))
+    deeper = torch.zeros(1, 3, L + 1, K, dtype=torch.int16)
+    with pytest.raises(ValueError, match="routes cover 3 layers, the model has"):
+        replay.set_batch(SimpleNamespace(tokens=tokens, routes=deeper))
