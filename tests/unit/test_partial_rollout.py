@@ -12,6 +12,7 @@ from engine_push import push_weights
 
 from megatron_grpo.config import RolloutConfig
 from megatron_grpo.config.hf import model_config_from_hf
+from megatron_grpo.convert.experts import split_hf_experts
 from megatron_grpo.rollout.runtime import RolloutRuntime
 from megatron_grpo.testing import random_hf_model, tiny_hf_config
 
@@ -70,3 +71,74 @@ def test_a_weight_update_mid_generation_resumes_samples_at_the_new_version():
             worst = max(worst, float((expected - got).abs().max()))
             done += n
     assert worst <= 1e-5, worst
+
+
+def routes_under(model, tokens: list[int]) -> list[list[set[int]]]:
+    """Each position's top-k expert set in each layer, one plain forward of ``model``."""
+    chosen: list[torch.Tensor] = []
+    hooks = [
+        layer.mlp.gate.register_forward_hook(lambda m, a, out: chosen.append(out[2]))
+        for layer in model.model.layers
+    ]
+    try:
+        with torch.no_grad():
+            model(input_ids=torch.tensor([tokens]))
+    finally:
+        for h in hooks:
+            h.remove()
+    return [[set(layer[t].tolist()) for layer in chosen] for t in range(len(tokens))]
+
+
+def test_a_resumed_sample_has_the_new_versions_routes_at_every_position():
+    """R3 across a weight update: a sample cut mid-generation is resent as prompt + its
+    tokens so far; its routes are those of its last segment's request, the new weights'
+    over every position (prompt, both segments' tokens, all but the last token)."""
+    hf_config = tiny_hf_config("qwen3_moe", max_position_embeddings=256)
+    old = random_hf_model(hf_config, seed=0)
+    new = copy.deepcopy(old)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    cfg = RolloutConfig(
+        prompts_per_step=4, samples_per_prompt=2, max_new_tokens=40, return_routed_experts=True
+    )
+    model_cfg = model_config_from_hf(hf_config)
+    runtime = RolloutRuntime(
+        cfg,
+        hf_model=old,
+        weight_version="0",
+        model_cfg=model_cfg,
+        routed_layers=model_cfg.num_layers,
+    )
+    prompts = [[3, 4, 5], [6, 7], [8, 9, 10, 11], [12]]
+    result: dict = {}
+
+    def rollout() -> None:
+        result["groups"] = runtime.generate_groups(prompts, cfg, seed=7, stop_token_ids=[])
+
+    try:
+        producer = threading.Thread(target=rollout)
+        producer.start()
+        engine = runtime.server.engine
+        deadline = time.monotonic() + 30
+        while engine.stats.steps < 5 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        # the checkpoint's names: one tensor per expert
+        push_weights(runtime, split_hf_experts(new.state_dict()), weight_version="1")
+        producer.join(timeout=120)
+        assert not producer.is_alive()
+    finally:
+        runtime.close()
+
+    samples = [s for group in result["groups"] for s in group]
+    assert any(len(s.version_spans) > 1 for s in samples), [s.version_spans for s in samples]
+    differ = 0
+    for s in samples:
+        tokens = list(s.prompt_ids) + list(s.output_ids)
+        assert s.routed_experts.shape[:2] == (len(tokens) - 1, model_cfg.num_layers)
+        model = {"0": old, "1": new}[s.version_spans[-1][0]]
+        want = routes_under(model, tokens[:-1])
+        got = [[set(layer.tolist()) for layer in position] for position in s.routed_experts]
+        assert got == want
+        differ += got != routes_under({"0": new, "1": old}[s.version_spans[-1][0]], tokens[:-1])
+    assert differ  # the two versions route differently: the check tells them apart
