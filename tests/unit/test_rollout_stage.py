@@ -200,3 +200,60 @@ def test_groups_are_scored_while_the_others_are_generated():
         "generated_tokens_per_s": batch.stats["generated_tokens_per_s"],
     }
     assert [x.advantage for x in batch.samples] == [x.advantage for x in inline.samples]
+
+
+def test_samples_take_the_engines_routes_and_keep_them_through_a_dump(tmp_path):
+    """Routes of prompt + output - 1 positions become [S, L, K] with -1 on the last token; a
+    sample without them beside others gets -1 everywhere; a dump and its replay keep them."""
+    import numpy as np
+
+    from megatron_grpo.rollout.stage import RolloutBatch, sample_routes
+
+    routed = np.arange(4 * 2 * 2, dtype=np.int32).reshape(4, 2, 2)  # 2 prompt + 3 output - 1
+    stop = Finish("stop")
+    gens = [Gen((1, 2), (3, 4, 5), (0.0,) * 3, stop), Gen((1,), (6,), (0.0,), stop)]
+    gens[0].routed_experts = routed  # type: ignore[attr-defined]
+    routes = sample_routes(gens, [5, 2])
+    assert routes is not None and routes[0].dtype == torch.int16
+    assert routes[0][:4].tolist() == routed.tolist() and (routes[0][4] == -1).all()
+    assert (routes[1] == -1).all()
+    assert sample_routes([Gen((1,), (2,), (0.0,), stop)], [2]) is None
+    with pytest.raises(ValueError, match="routes for 4 positions of a 3-token sample"):
+        sample_routes(gens[:1], [3])
+    from megatron_grpo.algo.batch import make_samples
+
+    samples = make_samples(
+        [[1, 2, 3, 4, 5], [1, 6]], [[0, 0, 1, 1, 1], [0, 1]], [1.0, -1.0], [0, 0], routes=routes
+    )
+    dump(RolloutBatch(samples, {}), tmp_path, 1)
+    back = replay(tmp_path, 1).samples
+    assert [torch.equal(a.routes, b.routes) for a, b in zip(samples, back)] == [True, True]
+
+
+def test_an_episode_keeps_the_routes_of_its_last_turn_that_saw_the_whole_context():
+    import numpy as np
+
+    from megatron_grpo.rollout.episode import Trajectory
+    from megatron_grpo.sglang_api.types import FinishReason, Generation
+
+    def turn(prompt, output, routes):
+        stop = FinishReason(type="stop", detail=output[-1])
+        return Generation(
+            prompt_index=0,
+            sample_index=0,
+            prompt_ids=tuple(prompt),
+            output_ids=tuple(output),
+            rollout_logprobs=(0.0,) * len(output),
+            finish_reason=stop,
+            weight_version="0",
+            routed_experts=routes,
+        )
+
+    t = Trajectory([1, 2])
+    t.add_model_turn(turn([1, 2], [3, 4], np.zeros((3, 1, 1), np.int32)))
+    t.add_tokens([9, 9])  # tool output
+    last = np.ones((7, 1, 1), np.int32)  # the context (6 tokens) + 2 output - 1
+    t.add_model_turn(turn(t.context, [5, 6], last))
+    assert t.episode(FinishReason(type="stop", detail=6)).routed_experts is last
+    t.add_model_turn(turn([1], [7], np.zeros((1, 1, 1), np.int32)))  # not the context
+    assert t.episode(FinishReason(type="stop", detail=7)).routed_experts is None
