@@ -25,22 +25,26 @@ def logprobs_under(model, tokens: list[int], start: int) -> torch.Tensor:
     return logp[start - 1 :]
 
 
-def test_a_weight_update_mid_generation_resumes_samples_at_the_new_version():
-    hf_config = tiny_hf_config("qwen2")
-    old = random_hf_model(hf_config, seed=0)
+PROMPTS = [[3, 4, 5], [6, 7], [8, 9, 10, 11], [12]]
+
+
+def two_versions(family: str, **config):
+    """A random tiny model of ``family`` (version 0) and a perturbed copy (version 1)."""
+    old = random_hf_model(tiny_hf_config(family, **config), seed=0)
     new = copy.deepcopy(old)
     with torch.no_grad():
         for p in new.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    cfg = RolloutConfig(prompts_per_step=4, samples_per_prompt=2, max_new_tokens=60)
-    runtime = RolloutRuntime(
-        cfg, hf_model=old, weight_version="0", model_cfg=model_config_from_hf(hf_config)
-    )
-    prompts = [[3, 4, 5], [6, 7], [8, 9, 10, 11], [12]]
+    return old, new
+
+
+def generate_across_an_update(runtime, cfg, new_state: dict) -> list:
+    """Every sample of ``PROMPTS``' groups, with ``new_state`` pushed as version 1 once the
+    engine has made 5 decode steps; the runtime is closed after."""
     result: dict = {}
 
     def rollout() -> None:
-        result["groups"] = runtime.generate_groups(prompts, cfg, seed=7, stop_token_ids=[])
+        result["groups"] = runtime.generate_groups(PROMPTS, cfg, seed=7, stop_token_ids=[])
 
     try:
         producer = threading.Thread(target=rollout)
@@ -49,13 +53,21 @@ def test_a_weight_update_mid_generation_resumes_samples_at_the_new_version():
         deadline = time.monotonic() + 30
         while engine.stats.steps < 5 and time.monotonic() < deadline:
             time.sleep(0.001)
-        push_weights(runtime, new.state_dict(), weight_version="1")
+        push_weights(runtime, new_state, weight_version="1")
         producer.join(timeout=120)
         assert not producer.is_alive()
     finally:
         runtime.close()
+    return [s for group in result["groups"] for s in group]
 
-    samples = [s for group in result["groups"] for s in group]
+
+def test_a_weight_update_mid_generation_resumes_samples_at_the_new_version():
+    old, new = two_versions("qwen2")
+    cfg = RolloutConfig(prompts_per_step=4, samples_per_prompt=2, max_new_tokens=60)
+    runtime = RolloutRuntime(
+        cfg, hf_model=old, weight_version="0", model_cfg=model_config_from_hf(old.config)
+    )
+    samples = generate_across_an_update(runtime, cfg, new.state_dict())
     split = [s for s in samples if [v for v, _ in s.version_spans] == ["0", "1"]]
     assert split, [s.version_spans for s in samples]  # the update came mid-sequence
     assert all(s.weight_version == "1" for s in split)
@@ -93,16 +105,11 @@ def test_a_resumed_sample_has_the_new_versions_routes_at_every_position():
     """R3 across a weight update: a sample cut mid-generation is resent as prompt + its
     tokens so far; its routes are those of its last segment's request, the new weights'
     over every position (prompt, both segments' tokens, all but the last token)."""
-    hf_config = tiny_hf_config("qwen3_moe", max_position_embeddings=256)
-    old = random_hf_model(hf_config, seed=0)
-    new = copy.deepcopy(old)
-    with torch.no_grad():
-        for p in new.parameters():
-            p.add_(0.05 * torch.randn_like(p))
+    old, new = two_versions("qwen3_moe", max_position_embeddings=256)
     cfg = RolloutConfig(
         prompts_per_step=4, samples_per_prompt=2, max_new_tokens=40, return_routed_experts=True
     )
-    model_cfg = model_config_from_hf(hf_config)
+    model_cfg = model_config_from_hf(old.config)
     runtime = RolloutRuntime(
         cfg,
         hf_model=old,
@@ -110,27 +117,8 @@ def test_a_resumed_sample_has_the_new_versions_routes_at_every_position():
         model_cfg=model_cfg,
         routed_layers=model_cfg.num_layers,
     )
-    prompts = [[3, 4, 5], [6, 7], [8, 9, 10, 11], [12]]
-    result: dict = {}
-
-    def rollout() -> None:
-        result["groups"] = runtime.generate_groups(prompts, cfg, seed=7, stop_token_ids=[])
-
-    try:
-        producer = threading.Thread(target=rollout)
-        producer.start()
-        engine = runtime.server.engine
-        deadline = time.monotonic() + 30
-        while engine.stats.steps < 5 and time.monotonic() < deadline:
-            time.sleep(0.001)
-        # the checkpoint's names: one tensor per expert
-        push_weights(runtime, split_hf_experts(new.state_dict()), weight_version="1")
-        producer.join(timeout=120)
-        assert not producer.is_alive()
-    finally:
-        runtime.close()
-
-    samples = [s for group in result["groups"] for s in group]
+    # the checkpoint's names: one tensor per expert
+    samples = generate_across_an_update(runtime, cfg, split_hf_experts(new.state_dict()))
     assert any(len(s.version_spans) > 1 for s in samples), [s.version_spans for s in samples]
     differ = 0
     for s in samples:
