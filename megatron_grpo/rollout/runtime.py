@@ -172,6 +172,19 @@ class RolloutRuntime:
         )
         return self.servers.generate_urls, self.servers.urls
 
+    def check_routes(self, model_cfg: ModelConfig) -> None:
+        """Before the first rollout: one token generated with routed experts, whose routes
+        must be those of ``model_cfg`` (its layer count, top-k and expert count); a
+        ValueError names what differs (an engine serving another model, a server started
+        without ``--enable-return-routed-experts``)."""
+        from megatron_grpo.sglang_api.types import RolloutRequest, SamplingParams
+
+        probe = RolloutRequest(
+            prompts=((1, 2),), sampling=SamplingParams(max_new_tokens=1, temperature=0.0)
+        )
+        (gen,) = self.io.run(self.client.generate(probe))
+        check_engine_routes(gen.routed_experts, model_cfg)
+
     def generate_groups(
         self,
         prompts: list[list[int]],
@@ -456,6 +469,29 @@ class RolloutRuntime:
             self.servers.stop()
         if self._model_dir is not None:
             shutil.rmtree(self._model_dir, ignore_errors=True)
+
+
+def check_engine_routes(routes: Any, model_cfg: ModelConfig) -> None:
+    """A ValueError naming what differs between an engine's routes [positions, layers,
+    top-k] and the policy ``model_cfg`` (routing replay replays them in its routers)."""
+    if routes is None:
+        raise ValueError(
+            "the engines returned no routed experts with rollout.return_routed_experts"
+        )
+    layers, top_k = routes.shape[1:]
+    want = (model_cfg.num_layers, model_cfg.moe_router_topk)
+    if (layers, top_k) != want:
+        raise ValueError(
+            f"the engines route over {layers} layers x top-{top_k}, the policy over "
+            f"model.num_layers={want[0]} x model.moe_router_topk={want[1]}: they serve "
+            "another model (routing replay needs the policy's)"
+        )
+    experts = model_cfg.num_experts or 0
+    if routes.size and int(routes.max()) >= experts:
+        raise ValueError(
+            f"the engines routed a token to expert {int(routes.max())}, the policy has "
+            f"model.num_experts={experts}: they serve another model"
+        )
 
 
 def client_config(cfg: RolloutConfig, urls: tuple[str, ...]) -> ClientConfig:

@@ -309,6 +309,8 @@ class _RolloutSide:
             model_cfg=cfg.model,
             routed_layers=settings.routed_layers,
         )
+        if cfg.rollout.return_routed_experts:  # refused now, not at the first forward
+            self.runtime.check_routes(cfg.model)
 
     def collect(self, step: int):
         """Step ``step``'s batch on the main rank: made now, or taken from the producer."""

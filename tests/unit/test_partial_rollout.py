@@ -7,6 +7,8 @@ import copy
 import threading
 import time
 
+import numpy as np
+import pytest
 import torch
 from engine_push import push_weights
 
@@ -130,3 +132,29 @@ def test_a_resumed_sample_has_the_new_versions_routes_at_every_position():
         assert got == want
         differ += got != routes_under({"0": new, "1": old}[s.version_spans[-1][0]], tokens[:-1])
     assert differ  # the two versions route differently: the check tells them apart
+
+
+def test_engines_that_route_for_another_model_are_refused_before_the_first_rollout():
+    """``check_routes``: one probe token's routes against the policy's config."""
+    import dataclasses
+
+    from megatron_grpo.rollout.runtime import check_engine_routes
+
+    model, _ = two_versions("qwen3_moe")
+    model_cfg = model_config_from_hf(model.config)
+    cfg = RolloutConfig(prompts_per_step=1, samples_per_prompt=1, return_routed_experts=True)
+    runtime = RolloutRuntime(
+        cfg, hf_model=model, model_cfg=model_cfg, routed_layers=model_cfg.num_layers
+    )
+    try:
+        runtime.check_routes(model_cfg)
+        other = dataclasses.replace(model_cfg, moe_router_topk=model_cfg.moe_router_topk + 1)
+        with pytest.raises(ValueError, match=r"x model.moe_router_topk=3: they serve another"):
+            runtime.check_routes(other)
+    finally:
+        runtime.close()
+    fewer = dataclasses.replace(model_cfg, num_experts=2)
+    with pytest.raises(ValueError, match="expert 3, the policy has model.num_experts=2"):
+        check_engine_routes(np.full((2, model_cfg.num_layers, 2), 3), fewer)
+    with pytest.raises(ValueError, match="returned no routed experts"):
+        check_engine_routes(None, model_cfg)
