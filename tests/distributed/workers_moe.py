@@ -81,9 +81,9 @@ def gradients(tp: int = 1, pp: int = 1, ep: int = 1, init: dict | None = None) -
     zero_grads(model)
     balance = router_balance(model)
     assert balance is not None
-    balance.start_step(num_sequences=tokens.shape[0])
     micro_batches = [Rows.of(r) for r in rows.chunk(2)]
-    run_schedule(model, ctx, micro_batches, ce, on_forward=balance.set_batch)
+    with balance.training_step(num_sequences=tokens.shape[0]):
+        run_schedule(model, ctx, micro_batches, ce, on_forward=balance.set_batch)
     metrics = balance.step_metrics()
     spread: dict[str, float] = {}
     grads = gather_full_state(
