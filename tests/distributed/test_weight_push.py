@@ -1,4 +1,4 @@
-"""Weight sync from every pipeline stage (``train.weight_push``) into the embedded server.
+"""Weight sync from every pipeline stage (``weight_sync.push``) into the embedded server.
 
 A TP2 x PP2 launch (4 gloo processes) of a tiny dense model, and a TP2 x PP2 x EP2 launch
 (8, data-parallel 2) of a tiny Qwen3-MoE whose experts are split over EP: the model is
@@ -46,7 +46,7 @@ def push_every_method(hf_dir: str, ep: int) -> dict[str, Any] | None:
     from megatron_grpo.mcore.model import build_model
     from megatron_grpo.mcore.parallel import init_parallel
     from megatron_grpo.rollout.runtime import RolloutRuntime
-    from megatron_grpo.train.weight_push import WeightPush
+    from megatron_grpo.weight_sync.push import WeightPush
 
     ctx = init_parallel(ParallelDims(tp=2, pp=2, ep=ep))
     cfg = resolve_hf_model(hf_dir)
@@ -59,7 +59,7 @@ def push_every_method(hf_dir: str, ep: int) -> dict[str, Any] | None:
         runtime = None
         if ctx.is_main:
             runtime = RolloutRuntime(rollout, hf_model=hf_model_from_config(cfg), model_cfg=cfg)
-        push = WeightPush(cfg, rollout, ctx, main_sender=runtime.sender if runtime else None)
+        push = WeightPush(cfg, rollout, ctx)
         expected = _moved(model, ctx, cfg, seed=step)
         push(model, str(step), runtime)
         push.close()

@@ -11,8 +11,8 @@ from megatron_grpo.config.hf import model_config_from_hf
 from megatron_grpo.embedded import server as embedded_server
 from megatron_grpo.embedded.weights import copy_into_model
 from megatron_grpo.rollout.runtime import RolloutRuntime
-from megatron_grpo.rollout.stage_sender import compare_sample
 from megatron_grpo.testing import random_hf_model, tiny_hf_config
+from megatron_grpo.weight_sync.check import compare_sample
 
 
 def test_compare_sample_allows_bf16_rounding_and_names_real_differences():
