@@ -1,8 +1,17 @@
 """``rollout.sync.check``: after a push, what the engines hold compared with what was sent.
 
-Each sender keeps the first rows of every weight it sends and reads them back from every
-engine (``/get_weights_by_name``); the main rank gathers what differs and stops the run,
-naming the weights (``raise_on_problems``).
+Two ways, chosen per engine (``check_ways``):
+- ``rows``: the sender keeps the first rows of every weight it sends and reads them back
+  (``/get_weights_by_name``, which SGLang serves too); equal within bf16 rounding;
+- ``checksum``: the sender keeps a checksum of every weight's bytes as sent
+  (``embedded.checksum``) and asks the engine for its own (``/weights_checksum``); any
+  changed byte is caught. Only the embedded server answers it. SGLang 0.5.23 has no such
+  request for the weights as sent: its ``/weights_checker`` (action ``checksum``) hashes its
+  own parameters, under its names (fused ``qkv_proj``, ``gate_up_proj``), as TP shards, in
+  its dtype, which the learner's tensors match only through SGLang's loader; so an SGLang
+  engine gets ``rows``.
+The main rank gathers what every stage found and stops the run, naming the weights and
+engines, first mismatch first (``raise_on_problems``).
 """
 
 from __future__ import annotations
@@ -14,7 +23,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from megatron_grpo.weight_sync.plan import SyncPlan
+from megatron_grpo.weight_sync.plan import CheckMode, SyncPlan
+from megatron_grpo.weight_sync.server_kinds import ServerKind
 
 logger = logging.getLogger(__name__)
 
@@ -24,6 +34,31 @@ _READ = (
     "SGLang 0.5.23 reads weights back (/get_weights_by_name) for llama-family models "
     "only; for others turn rollout.sync.check off"
 )
+
+
+def check_mode(setting: bool | str) -> CheckMode | None:
+    """The check that ``rollout.sync.check`` asks for (``true`` is ``rows``)."""
+    if setting is True or setting == "rows":
+        return "rows"
+    if setting == "checksum":
+        return "checksum"
+    if setting is False:
+        return None
+    raise ValueError(f"rollout.sync.check must be true, false, rows or checksum, got {setting!r}")
+
+
+def check_ways(mode: CheckMode, kinds: Mapping[str, ServerKind]) -> dict[str, CheckMode]:
+    """How each engine is checked: ``checksum`` where asked and the engine answers it (the
+    embedded server), ``rows`` elsewhere."""
+    return {
+        url: "checksum" if mode == "checksum" and kind.embedded else "rows"
+        for url, kind in kinds.items()
+    }
+
+
+def first_rows(tensor: Tensor) -> Tensor:
+    """What ``rows`` keeps of a weight sent: its first rows, as fp32 on the CPU."""
+    return tensor.detach()[:CHECK_ROWS].float().cpu().clone()
 
 
 async def read_back(client: Any, urls: tuple[str, ...], samples: Mapping[str, Tensor]) -> list[str]:
@@ -60,6 +95,28 @@ def compare_sample(name: str, ours: Tensor, theirs: Tensor) -> str | None:
     if diff > 2**-7 * scale + 1e-6:
         return f"{name}: differs by up to {diff:.3g} (largest value {scale:.3g})"
     return None
+
+
+async def compare_checksums(
+    client: Any, url: str, sums: Mapping[str, tuple[str, str]]
+) -> list[str]:
+    """The weights of ``sums`` (name -> the dtype it was sent in and its checksum) whose
+    checksum the engine at ``url`` answers differently, in the order sent."""
+    from megatron_grpo.sglang_api.errors import RolloutHTTPError
+
+    if not sums:
+        return []
+    names = list(sums)
+    try:
+        theirs = await client.weights_checksum(names, [sums[n][0] for n in names], url=url)
+    except RolloutHTTPError as err:
+        return [f"{url}: the engine answered no checksums ({err})"]
+    problems = []
+    for name, got in zip(names, theirs, strict=True):
+        dtype, sent = sums[name]
+        if got != sent:
+            problems.append(f"{url}: {name}: checksum {got}, the learner sent {sent} ({dtype})")
+    return problems
 
 
 def raise_on_problems(plan: SyncPlan, problems: list[str]) -> None:

@@ -16,6 +16,7 @@ import socket
 import tempfile
 from typing import TYPE_CHECKING
 
+from megatron_grpo.weight_sync.check import check_mode
 from megatron_grpo.weight_sync.plan import StageReport, SyncPlan
 
 if TYPE_CHECKING:
@@ -61,7 +62,7 @@ def begin_push(runtime: RolloutRuntime, weight_version: str) -> SyncPlan:
         disk_dir=disk_dir,
         main_host=socket.gethostname(),
         master_address=sync.master_address,
-        check=sync.check,
+        check=check_mode(sync.check),
     )
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 SyncMethod = Literal["tensor", "disk", "distributed"]
+CheckMode = Literal["rows", "checksum"]
 
 
 @dataclass(frozen=True)
@@ -27,7 +28,8 @@ class SyncPlan:
     """The main rank's host name."""
     master_address: str = "127.0.0.1"
     """``distributed``: the address engines reach senders on the main rank's host at."""
-    check: bool = False
+    check: CheckMode | None = None
+    """``rollout.sync.check``: what each sender compares after the push (None: nothing)."""
 
 
 @dataclass

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import socket
 import uuid
 from collections.abc import Callable, Iterator, Mapping
@@ -33,7 +34,14 @@ from typing import Any
 
 from torch import Tensor
 
-from megatron_grpo.weight_sync.check import CHECK_ROWS, read_back
+from megatron_grpo.embedded.checksum import tensor_checksum
+from megatron_grpo.sglang_api.update_group import dtype_name
+from megatron_grpo.weight_sync.check import (
+    check_ways,
+    compare_checksums,
+    first_rows,
+    read_back,
+)
 from megatron_grpo.weight_sync.disk import disk_method
 from megatron_grpo.weight_sync.distributed import (
     close_update_group,
@@ -41,9 +49,11 @@ from megatron_grpo.weight_sync.distributed import (
     host_address,
     open_update_group,
 )
-from megatron_grpo.weight_sync.plan import StageReport, SyncPlan
+from megatron_grpo.weight_sync.plan import CheckMode, StageReport, SyncPlan
 from megatron_grpo.weight_sync.stream import buckets, drain, pipelined
 from megatron_grpo.weight_sync.tensor import tensor_method
+
+logger = logging.getLogger(__name__)
 
 
 class ProducerError(RuntimeError):
@@ -65,7 +75,13 @@ class StageSender:
         self.client: Any = None
         self.group: Any = None
         self._group_urls: tuple[str, ...] = ()
+        self._ways: dict[str, CheckMode] = {}
+        """``rollout.sync.check``: how each engine of the last push is checked."""
         self._samples: dict[str, Tensor] = {}
+        """``rows``: the first rows of each weight sent."""
+        self._sums: dict[str, tuple[str, str]] = {}
+        """``checksum``: the dtype and checksum of each weight sent."""
+        self._warned: set[str] = set()
 
     # ---- one push ----
 
@@ -75,8 +91,8 @@ class StageSender:
         from megatron_grpo.sglang_api.errors import RolloutError
 
         report = StageReport(stage=self.stage)
-        self._samples = {}
-        named = self._named(layers, plan, report)
+        self._ways, self._samples, self._sums = {}, {}, {}
+        named = self._named(layers, report)
         try:
             self.loop.run_until_complete(self._send(named, plan, report))
         except ProducerError:
@@ -88,14 +104,18 @@ class StageSender:
         return report
 
     def _named(
-        self, layers: Iterator[Mapping[str, Tensor]], plan: SyncPlan, report: StageReport
+        self, layers: Iterator[Mapping[str, Tensor]], report: StageReport
     ) -> Iterator[tuple[str, Tensor]]:
+        # Runs once _send has chosen the checks (the first bucket is asked for after that).
+        keep_rows, keep_sums = "rows" in self._ways.values(), "checksum" in self._ways.values()
         try:
             for layer in layers:
                 for name, tensor in layer.items():
                     report.nbytes += tensor.numel() * tensor.element_size()
-                    if plan.check:
-                        self._samples[name] = tensor.detach()[:CHECK_ROWS].float().cpu().clone()
+                    if keep_rows:
+                        self._samples[name] = first_rows(tensor)
+                    if keep_sums:
+                        self._sums[name] = (dtype_name(tensor.dtype), tensor_checksum(tensor))
                     yield name, tensor
         except Exception as err:
             raise ProducerError(f"stage {self.stage}: gathering the weights failed: {err}") from err
@@ -104,6 +124,8 @@ class StageSender:
         self, named: Iterator[tuple[str, Tensor]], plan: SyncPlan, report: StageReport
     ) -> None:
         client = await self._client(plan.urls)
+        if plan.check:
+            self._ways = await self._check_ways(client, plan.urls, plan.check)
         if plan.method == "tensor":
             prepare, deliver = await tensor_method(client, plan)
         elif plan.method == "disk":
@@ -147,12 +169,38 @@ class StageSender:
 
     # ---- after a push ----
 
+    async def _check_ways(
+        self, client: Any, urls: tuple[str, ...], mode: CheckMode
+    ) -> dict[str, CheckMode]:
+        from megatron_grpo.weight_sync.server_kinds import server_kinds
+
+        if mode == "rows":  # every engine answers it: no need to ask what each is
+            return dict.fromkeys(urls, mode)
+        ways = check_ways(mode, await server_kinds(client))
+        fallen_back = sorted(u for u, way in ways.items() if way != mode and u not in self._warned)
+        if fallen_back:
+            logger.warning(
+                "rollout.sync.check=checksum: SGLang engine(s) %s answer no checksum of the "
+                "weights as sent; their first rows are compared instead",
+                ", ".join(fallen_back),
+            )
+            self._warned.update(fallen_back)
+        return ways
+
     def check(self, plan: SyncPlan) -> list[str]:
-        """The weights this stage sent that some engine holds differently (first rows)."""
+        """The weights this stage sent that some engine holds differently (first rows, or
+        checksums: ``weight_sync.check``), first mismatch first."""
         return self.loop.run_until_complete(self._check(plan))
 
     async def _check(self, plan: SyncPlan) -> list[str]:
-        return await read_back(await self._client(plan.urls), plan.urls, self._samples)
+        client = await self._client(plan.urls)
+        problems = []
+        for url in plan.urls:
+            if self._ways.get(url) == "checksum":
+                problems += await compare_checksums(client, url, self._sums)
+            else:
+                problems += await read_back(client, (url,), self._samples)
+        return problems
 
     def close(self) -> None:
         async def close() -> None:
