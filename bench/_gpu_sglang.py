@@ -3,7 +3,7 @@
 A random Qwen3-shaped model saved with transformers, ``python -m
 sglang.launch_server`` on it, generation through the trainer's
 ``SGLangClient``, then the weights of a megatron learner holding the same model
-pushed to the server as the trainer pushes them (``train.weight_push.WeightPush``).
+pushed to the server as the trainer pushes them (``weight_sync.push.WeightPush``).
 
 Each figure has a reference measured in the same run, interleaved with it:
 - generation: the same prompts and sampling as ONE batched ``/generate`` request sent
@@ -225,12 +225,12 @@ def _sync(urls, learner) -> dict[str, Any]:
     from megatron_grpo.mcore.hf_export import stage_hf_layers
     from megatron_grpo.rollout.runtime import RolloutRuntime
     from megatron_grpo.sglang_api.types import RolloutRequest, SamplingParams
-    from megatron_grpo.train.weight_push import WeightPush
+    from megatron_grpo.weight_sync.push import WeightPush
 
     model, ctx, cfg = learner
     rollout = RolloutConfig(engines=EnginesConfig(type="sglang", urls=list(urls)))
     runtime = RolloutRuntime(rollout, model_cfg=cfg)
-    push = WeightPush(cfg, rollout, ctx, main_sender=runtime.sender)
+    push = WeightPush(cfg, rollout, ctx)
     named = {k: t for u in stage_hf_layers(model, cfg, ctx) for k, t in u.items()}
     nbytes = sum(t.numel() * t.element_size() for t in named.values())
     pushes, one_request = [], []
@@ -247,6 +247,7 @@ def _sync(urls, learner) -> dict[str, Any]:
         )
         check = runtime.io.run(runtime.client.generate(request))
     finally:
+        push.close()
         runtime.close()
     way = "CUDA IPC" if torch.cuda.is_available() else "shared memory"
     return {
@@ -275,7 +276,7 @@ async def _one_request_push(url: str, named, version: str) -> float:
     the same pause / begin / end / continue as a push."""
     import torch
 
-    from megatron_grpo.sglang_api.update_group import (
+    from megatron_grpo.weight_sync.sglang_tensor import (
         cuda_copies,
         sglang_tensor_payload,
         shared_copies,

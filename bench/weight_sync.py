@@ -4,7 +4,7 @@
     python bench/weight_sync.py --layout 1x2x2
     python bench/weight_sync.py --quick
 
-One push is what the trainer does after each step (``train.weight_push.WeightPush``,
+One push is what the trainer does after each step (``weight_sync.push.WeightPush``,
 ``rollout.sync.method=tensor``): every pipeline stage's sender gathers its layers over TP, a layer
 at a time, maps them to Hugging Face names and streams safetensors buckets to the embedded
 server, which runs in a process of its own (``python -m megatron_grpo.embedded``);
@@ -86,7 +86,7 @@ def worker(*, tp: int, pp: int, model_cfg, url: str, server_pid: int, repeats: i
     from megatron_grpo.mcore.model import build_model
     from megatron_grpo.mcore.parallel import init_parallel
     from megatron_grpo.rollout.runtime import RolloutRuntime
-    from megatron_grpo.train.weight_push import WeightPush
+    from megatron_grpo.weight_sync.push import WeightPush
 
     ctx = init_parallel(ParallelDims(tp=tp, pp=pp))
     model = build_model(model_cfg, ctx, wrap_ddp=False)
@@ -94,7 +94,7 @@ def worker(*, tp: int, pp: int, model_cfg, url: str, server_pid: int, repeats: i
         engines=EnginesConfig(type="sglang", urls=[url]), sync=WeightSyncConfig(bucket_mb=BUCKET_MB)
     )
     runtime = RolloutRuntime(rollout, model_cfg=model_cfg) if ctx.is_main else None
-    push = WeightPush(model_cfg, rollout, ctx, main_sender=runtime.sender if runtime else None)
+    push = WeightPush(model_cfg, rollout, ctx)
     version = iter(range(1 << 30))
 
     def push_once() -> None:

@@ -103,7 +103,7 @@ def total_params(m: ModelConfig) -> int:
 
 
 def weight_push_bytes(m: ModelConfig, bucket_bytes: int) -> int:
-    """Peak extra memory of a stage's sender during a weight push (``rollout.stage_sender``):
+    """Peak extra memory of a stage's sender during a weight push (``weight_sync.sender``):
     two units' full tensors (a decoder layer, or the embedding or head: the one being
     gathered and the one whose bucket is in flight) and two buckets, a bucket being at least
     the largest tensor. Every other rank: nothing beyond its own shard."""

@@ -186,7 +186,7 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
                 return _convert(option, value, key)
             except ValueError as e:
                 errors.append(str(e))
-        raise ValueError(errors[0])
+        raise ValueError("; or ".join(errors))
     if origin is Literal:
         choices = typing.get_args(tp)
         if value not in choices:

@@ -203,9 +203,12 @@ class WeightSyncConfig:
     disk_dir: str | None = None
     """method=disk: where each push's directory is made (default: the system's temporary
     directory); each push's directory is removed once the engines loaded it."""
-    check: bool = False
-    """After each push, read the first rows of every weight back from every engine
-    (``/get_weights_by_name``) and stop, naming them, if any differs from the learner's."""
+    check: bool | Literal["rows", "checksum"] = False
+    """After each push, compare what every engine holds with what was sent, and stop, naming
+    the weights, if any differs. ``true`` (or ``rows``): the first rows of every weight, read
+    back (``/get_weights_by_name``), equal within bf16 rounding. ``checksum``: a checksum of
+    every weight's bytes as sent, against the embedded server's (``/weights_checksum``, not
+    an SGLang endpoint); an SGLang engine gets the ``rows`` check instead."""
 
 
 @dataclass(kw_only=True)

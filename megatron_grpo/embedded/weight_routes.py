@@ -8,6 +8,13 @@
 - ``/destroy_weights_update_group`` leaves a group.
 - ``/get_weights_by_name`` returns a weight as SGLang does: ``tensor.float().tolist()``
   cut to its first ``truncate_size`` entries (rows of a matrix).
+
+Ours, not SGLang's (an SGLang server answers 404):
+- ``/weights_checksum`` (POST ``{"names": [...], "dtypes": [...]}``) answers
+  ``{"algorithm": "xxh3_64", "checksums": [...]}``: for each named weight, the checksum of
+  its bytes in the dtype given (``embedded.checksum``), that of the tensor a sender pushed
+  in that dtype; the engine holds fp32, which keeps a bf16 or fp16 push exactly. An unknown
+  name or dtype answers 400 naming it.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from typing import Any
 import torch
 from aiohttp import web
 
+from megatron_grpo.embedded.checksum import ALGORITHM, tensor_checksum
 from megatron_grpo.embedded.engine import GenerationEngine
 from megatron_grpo.embedded.weights import copy_into_model, hf_weights
 from megatron_grpo.sglang_api.update_group import UpdateGroup, open_update_group
@@ -68,6 +76,7 @@ class WeightRoutes:
         app.router.add_post("/update_weights_from_distributed", self.update_from_distributed)
         app.router.add_post("/destroy_weights_update_group", self.destroy_group)
         app.router.add_route("*", "/get_weights_by_name", self.get_weights_by_name)
+        app.router.add_post("/weights_checksum", self.weights_checksum)
 
     async def init_group(self, request: web.Request) -> web.Response:
         body = await json_object(request)
@@ -134,3 +143,29 @@ class WeightRoutes:
         with torch.no_grad():
             values = weights[name].detach().float().tolist()[:truncate]
         return web.json_response(values)
+
+    async def weights_checksum(self, request: web.Request) -> web.Response:
+        body = await json_object(request)
+        names, dtypes = body.get("names"), body.get("dtypes")
+        if not isinstance(names, list) or not isinstance(dtypes, list):
+            return web.json_response({"error": "names and dtypes must be lists"}, status=400)
+        if len(names) != len(dtypes):
+            return web.json_response(
+                {"error": f"{len(names)} names but {len(dtypes)} dtypes"}, status=400
+            )
+        weights = hf_weights(self.engine.model)
+        wanted = []
+        for name, dtype in zip(names, dtypes, strict=True):
+            if name not in weights:
+                return web.json_response({"error": f"no weight named {name!r}"}, status=400)
+            as_dtype = getattr(torch, str(dtype), None)
+            if not isinstance(as_dtype, torch.dtype):
+                return web.json_response({"error": f"{name}: no dtype {dtype!r}"}, status=400)
+            wanted.append((weights[name], as_dtype))
+
+        def checksums() -> list[str]:
+            with torch.no_grad():
+                return [tensor_checksum(w.detach().to(d)) for w, d in wanted]
+
+        values = await asyncio.get_running_loop().run_in_executor(None, checksums)
+        return web.json_response({"algorithm": ALGORITHM, "checksums": values})

@@ -14,7 +14,7 @@ Memory: besides its own shard, the sender holds one unit's full tensors at a tim
 decoder layer, or the embedding or head): the shards land side by side in one buffer, which
 is the joined tensor itself for the layouts split along dim 0 (QKV, vocab); the others and
 the HF renaming (split QKV, gate/up) copy a layer's tensors once more. Plus what its
-consumer keeps (weight sync: see ``rollout.stage_sender``).
+consumer keeps (weight sync: see ``weight_sync.sender``).
 """
 
 from __future__ import annotations

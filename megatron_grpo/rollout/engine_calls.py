@@ -176,6 +176,15 @@ class EngineCalls:
         body = {"name": name, "truncate_size": truncate_size}
         return await self._call("POST", url, "/get_weights_by_name", body, weight_update=True)
 
+    async def weights_checksum(
+        self, names: Sequence[str], dtypes: Sequence[str], *, url: str
+    ) -> list[str]:
+        """One embedded server's checksums of the weights ``names``, each in its dtype of
+        ``dtypes`` (``/weights_checksum``, the embedded server's own endpoint)."""
+        body = {"names": list(names), "dtypes": list(dtypes)}
+        answer = await self._call("POST", url, "/weights_checksum", body, weight_update=True)
+        return list(answer["checksums"])
+
     # ---- info ----
 
     async def model_info(self, url: str | None = None) -> dict[str, Any]:

@@ -13,7 +13,7 @@ generates resumes it under the new version, see ``client.py``; that only makes i
 The producer thus runs at most k + 1 steps ahead of the push that lets it go on.
 
 Weight pushes: the main rank's runtime holds the producer around each push, as it holds
-its own client (``RolloutRuntime.begin_push``): before the engines pause, the producer's
+its own client (``weight_sync.engines.begin_push``): before the engines pause, the producer's
 samples not yet sent wait, and those the pause aborts are sent again, with their tokens so
 far, once ``release`` says the update is done.
 

@@ -8,9 +8,9 @@ each server directly.
 
 It owns one event loop for the clients' whole life (aiohttp sessions are
 bound to the loop that made them), on a thread of its own (``io_loop.IOLoop``), so that
-one thread can push weights while another waits for generations. It offers the two
-things the training loop does with the engines: generate groups of completions, and push
-new weights.
+one thread can push weights while another waits for generations. It generates groups of
+completions for the training loop, and keeps the engines in use that a weight push opens
+and closes (``weight_sync.engines``).
 
 SGLang engines that stop answering are dropped: before each rollout, those that fail
 ``/health``; during a weight push, those that fail it and no longer answer. The step goes
@@ -24,12 +24,9 @@ only a push can replace them).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import functools
 import logging
 import shutil
-import tempfile
 import threading
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, Protocol
@@ -41,7 +38,6 @@ if TYPE_CHECKING:
     from megatron_grpo.embedded.server import EmbeddedServerHandle
     from megatron_grpo.rollout.client import ClientConfig
     from megatron_grpo.rollout.servers import ServerGroup
-    from megatron_grpo.rollout.stage_sender import StageReport, SyncPlan
 
 logger = logging.getLogger(__name__)
 
@@ -78,9 +74,7 @@ class RolloutRuntime:
         started and pushes weights to; this one generates with them and starts, registers
         and stops nothing (the rollout producer's process). ``routed_layers``: the policy's
         layer count, which the routes of ``cfg.return_routed_experts`` have."""
-        from megatron_grpo.mcore import device
         from megatron_grpo.rollout.client import SGLangClient
-        from megatron_grpo.rollout.stage_sender import StageSender
 
         self.cfg = cfg
         self.model_cfg = model_cfg
@@ -130,10 +124,6 @@ class RolloutRuntime:
         self._engines = threading.RLock()
         self.dropped: list[str] = []
         """Engines out of use since they stopped answering."""
-        self.sender = StageSender(
-            functools.partial(client_config, cfg), 0, backend=device.distributed_backend()
-        )
-        """The sender of pipeline stage 0 (this process, the main rank)."""
 
     def _start_engines(
         self, *, hf_model, tokenizer, seed, weight_version, model_path, attach_to
@@ -210,7 +200,7 @@ class RolloutRuntime:
 
         if self._stopped:
             raise RolloutStoppedError("the rollout engines' generation was stopped")
-        self._drop_silent_engines("before a rollout")
+        self.drop_silent_engines("before a rollout")
         try:  # interrupted (Ctrl-C), the generation is cancelled: that aborts what is in flight
             flat = self.io.run(self.client.generate(request, _grouped(on_group, cfg)))
         finally:
@@ -228,7 +218,7 @@ class RolloutRuntime:
 
         if self._stopped:
             raise RolloutStoppedError("the rollout engines' generation was stopped")
-        self._drop_silent_engines("before a rollout")
+        self.drop_silent_engines("before a rollout")
         try:
             return self.io.run(work(self.client))
         finally:
@@ -240,111 +230,7 @@ class RolloutRuntime:
         self._stopped = True
         self.io.cancel_running()
 
-    def begin_push(self, weight_version: str) -> SyncPlan:
-        """Open a push on every engine in use (pause, flush, begin) and say how the stage
-        senders send; engines that answer again are taken back first."""
-        import socket
-
-        from megatron_grpo.rollout.stage_sender import SyncPlan
-        from megatron_grpo.sglang_api.errors import RolloutError
-
-        self._take_back_engines()
-        client = self.weight_client
-        for holder in self.holders:  # before the pause: what it aborts waits for the update
-            holder.hold()
-        sync = self.cfg.sync
-        disk_dir = None
-        if sync.method == "disk":
-            disk_dir = tempfile.mkdtemp(prefix="mgrpo_weights_", dir=sync.disk_dir)
-
-        async def begin(again: bool) -> None:
-            if again and sync.method != "disk":
-                # Some engines may have opened their update session before another failed.
-                with contextlib.suppress(RolloutError):
-                    await client.end_weight_update()
-            # Samples generating now are aborted with their tokens so far and sent again
-            # once the update is done (SGLangClient.hold_generation): each token is
-            # generated whole by one weight version.
-            await self.client.hold_generation()
-            await client.pause_generation(mode="abort")
-            await client.flush_cache()
-            if sync.method != "disk":
-                await client.begin_weight_update()
-
-        self._run_or_drop(begin, "opening a weight update")
-        return SyncPlan(
-            urls=client.urls,
-            method=sync.method,
-            weight_version=weight_version,
-            bucket_bytes=sync.bucket_mb << 20,
-            disk_dir=disk_dir,
-            main_host=socket.gethostname(),
-            master_address=sync.master_address,
-            check=sync.check,
-        )
-
-    def finish_push(self, plan: SyncPlan, reports: list[StageReport]) -> bool:
-        """Close the push that every stage has sent (True), or drop the engines that failed
-        it and no longer answer (False: push again to the others). Raises on a learner-side
-        failure, or when no engine is left."""
-        from megatron_grpo.rollout import weight_sync
-        from megatron_grpo.sglang_api.errors import RolloutError
-
-        failed = [r for r in reports if r.error]
-        client = self.weight_client
-
-        async def finish() -> None:
-            try:
-                if not failed and plan.method == "disk":
-                    assert plan.disk_dir is not None and self.model_cfg is not None
-                    family = self.model_cfg.hf_family
-                    weight_sync.write_disk_index(plan.disk_dir, reports, self.model_cfg, family)
-                    await client.update_weights_from_disk(
-                        plan.disk_dir, weight_version=plan.weight_version
-                    )
-                if plan.method != "disk":
-                    await client.end_weight_update()
-            finally:
-                try:
-                    await client.continue_generation()
-                finally:
-                    await self.client.release_generation()
-
-        try:
-            self.io.run(finish())
-        except RolloutError as err:
-            if failed:
-                logger.warning("closing a failed weight update: %s", err)
-            else:
-                failed.append(StageReport(stage=-1, error=str(err), rollout_error=True))
-        finally:
-            if plan.disk_dir is not None:
-                shutil.rmtree(plan.disk_dir, ignore_errors=True)
-            for holder in self.holders:
-                holder.release(client.urls)
-        if not failed:
-            return True
-        why = "; ".join(r.error or "" for r in failed)
-        if not all(r.rollout_error for r in failed):
-            raise RuntimeError(f"weight sync failed: {why}")
-        if not self._drop_silent_engines(f"weight update failed: {why}", wait=True):
-            raise RolloutError(f"weight sync failed: {why}")
-        return False
-
-    def check_push(self, plan: SyncPlan, problems: list[str]) -> None:
-        """``rollout.sync.check``: fail, naming the weights, if an engine differs."""
-        if problems:
-            shown = "\n  ".join(problems[:20])
-            more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
-            raise RuntimeError(
-                f"rollout.sync.check: after pushing weight version {plan.weight_version} "
-                f"the engines hold different weights:\n  {shown}{more}"
-            )
-        logger.info(
-            "weight version %s checked on %d engine(s)", plan.weight_version, len(plan.urls)
-        )
-
-    def _run_or_drop(self, call: Callable[[bool], Coroutine[Any, Any, None]], why: str) -> None:
+    def run_or_drop(self, call: Callable[[bool], Coroutine[Any, Any, None]], why: str) -> None:
         """Run ``call(again=False)`` (control calls to every engine in use); on failure drop
         the engines that no longer answer and run ``call(again=True)`` on the others."""
         from megatron_grpo.sglang_api.errors import RolloutError
@@ -355,7 +241,7 @@ class RolloutRuntime:
                 self.io.run(call(again))
                 return
             except RolloutError as err:
-                if not self._drop_silent_engines(f"{why} failed: {err}", wait=True):
+                if not self.drop_silent_engines(f"{why} failed: {err}", wait=True):
                     raise
                 again = True
 
@@ -366,7 +252,7 @@ class RolloutRuntime:
 
         return http_ok(f"{url}/health", timeout_s=self.weight_client.config.control_timeout_s)
 
-    def _drop_silent_engines(self, why: str, *, wait: bool = False) -> list[str]:
+    def drop_silent_engines(self, why: str, *, wait: bool = False) -> list[str]:
         """Stop using the SGLang engines that do not answer ``/health``; the ones dropped.
 
         When none is left: with ``wait`` (a push, which can give a returning engine the
@@ -419,7 +305,7 @@ class RolloutRuntime:
             time.sleep(1.0)
         return []
 
-    def _take_back_engines(self) -> None:
+    def take_back_engines(self) -> None:
         """Start again the engines started here whose process exited, and use again the
         dropped engines that answer ``/health`` (the push to come gives them the current
         weights)."""
@@ -455,7 +341,6 @@ class RolloutRuntime:
 
     def close(self) -> None:
         try:
-            self.sender.close()
             for client in {id(c): c for c in (self.client, self.weight_client)}.values():
                 self.io.run(client.close())
             self.io.close()

@@ -1,20 +1,20 @@
 """What the weight updates rebuild of SGLang's internals, and the check that it still holds.
 
 SGLang is never imported by the trainer (the server has its own environment), but two of
-its internals are mirrored here and in ``update_group``, and both fail late if SGLang
-changes them: the broadcast group would hang until its timeout, a tensor update would be
-refused by the server's unpickler.
+its internals are mirrored here, in ``update_group`` and in ``weight_sync.sglang_tensor``,
+and both fail late if SGLang changes them: the broadcast group would hang until its
+timeout, a tensor update would be refused by the server's unpickler.
 
 - The store of the weight-update group (``update_group_store``): SGLang's end joins
   through ``init_custom_process_group``, which wraps its ``tcp://`` rendezvous store in
   ``PrefixStore(group_name)`` and hands it to torch's ``_new_process_group_helper``, which
   prefixes it again with ``"{group_name}/"`` and ``"{device}/"``. The trainer's end is
   built from the same prefixes, without registering anything with torch.distributed.
-- The ``/update_weights_from_tensor`` payload (``update_group.serialize_for_sglang``):
+- The ``/update_weights_from_tensor`` payload (``weight_sync.sglang_tensor.serialize_for_sglang``):
   what ``MultiprocessingSerializer.deserialize`` reads, through ``SafeUnpickler``.
 
 ``check_server`` runs when the trainer first learns an SGLang server's release (from its
-``/server_info``, ``server_kinds``): on the tested release it does nothing; on another
+``/server_info``, ``weight_sync.server_kinds``): on the tested release it does nothing; on another
 it checks ``SGLANG``'s targets where sglang is importable at that release, and warns
 that they are unchecked where it is not (``python -m megatron_grpo.sglang_api.compat``
 in the server's environment checks them there).
@@ -65,7 +65,7 @@ SGLANG = Library(
         Target(
             _COMMON,
             "MultiprocessingSerializer.deserialize",
-            "reads /update_weights_from_tensor payloads: update_group.serialize_for_sglang",
+            "reads /update_weights_from_tensor payloads: sglang_tensor.serialize_for_sglang",
             params=("data",),
         ),
         Target(

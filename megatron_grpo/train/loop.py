@@ -30,7 +30,7 @@ from megatron_grpo.train import state as train_state
 from megatron_grpo.train.main_wait import MainRankWork
 from megatron_grpo.train.run_lock import HELD_ENV, RunLock, RunLockedError
 from megatron_grpo.train.step import StepSettings, train_on_rollout
-from megatron_grpo.train.weight_push import WeightPush
+from megatron_grpo.weight_sync.push import WeightPush
 
 
 def train(cfg: Config) -> None:
@@ -258,10 +258,7 @@ class _RolloutSide:
         self.runtime: Any = None
         # Starting or attaching to the engines may take minutes: not inside a collective.
         main_work.run("engine start", lambda: self._start(cfg, extra, start_step))
-        main_sender = self.runtime.sender if self.runtime is not None else None
-        self.weight_push = WeightPush(
-            cfg.model, cfg.rollout, ctx, main_sender=main_sender
-        )  # collective
+        self.weight_push = WeightPush(cfg.model, cfg.rollout, ctx)  # collective
         # The engines load their weights elsewhere (a random embedded model, a server's
         # model path, which need not be the policy's: a Megatron train.init, a resumed
         # run); the first rollout uses the learner's.

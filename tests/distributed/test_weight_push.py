@@ -1,4 +1,4 @@
-"""Weight sync from every pipeline stage (``train.weight_push``) into the embedded server.
+"""Weight sync from every pipeline stage (``weight_sync.push``) into the embedded server.
 
 A TP2 x PP2 launch (4 gloo processes) of a tiny dense model, and a TP2 x PP2 x EP2 launch
 (8, data-parallel 2) of a tiny Qwen3-MoE whose experts are split over EP: the model is
@@ -7,7 +7,7 @@ each sync method its weights are moved (seeded noise, the same on every rank) an
 by the trainer's own ``WeightPush`` with 1 MiB buckets, so every stage sends several. The
 embedded server's weights must then equal the learner's weights exported through the
 full-model gather and the conversion mapping, bitwise, with the pushed weight version and
-``rollout.sync.check`` on.
+``rollout.sync.check`` on: first rows for ``tensor``, checksums for the others.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(400
 
 HERE = Path(__file__)
 METHODS = ("tensor", "disk", "distributed")
+CHECKS: dict[str, Any] = {"tensor": True, "disk": "checksum", "distributed": "checksum"}
 
 
 def _moved(model: list, ctx, cfg, seed: int) -> dict[str, torch.Tensor] | None:
@@ -46,7 +47,7 @@ def push_every_method(hf_dir: str, ep: int) -> dict[str, Any] | None:
     from megatron_grpo.mcore.model import build_model
     from megatron_grpo.mcore.parallel import init_parallel
     from megatron_grpo.rollout.runtime import RolloutRuntime
-    from megatron_grpo.train.weight_push import WeightPush
+    from megatron_grpo.weight_sync.push import WeightPush
 
     ctx = init_parallel(ParallelDims(tp=2, pp=2, ep=ep))
     cfg = resolve_hf_model(hf_dir)
@@ -54,12 +55,13 @@ def push_every_method(hf_dir: str, ep: int) -> dict[str, Any] | None:
     load_full_state(model, MegatronView(HFCheckpoint(hf_dir), cfg), cfg, ctx)
     results: dict[str, Any] = {}
     for step, method in enumerate(METHODS, start=1):
-        sync = WeightSyncConfig(method=method, bucket_mb=1, check=True)  # type: ignore[arg-type]
+        check = CHECKS[method]
+        sync = WeightSyncConfig(method=method, bucket_mb=1, check=check)  # type: ignore[arg-type]
         rollout = RolloutConfig(sync=sync)
         runtime = None
         if ctx.is_main:
             runtime = RolloutRuntime(rollout, hf_model=hf_model_from_config(cfg), model_cfg=cfg)
-        push = WeightPush(cfg, rollout, ctx, main_sender=runtime.sender if runtime else None)
+        push = WeightPush(cfg, rollout, ctx)
         expected = _moved(model, ctx, cfg, seed=step)
         push(model, str(step), runtime)
         push.close()

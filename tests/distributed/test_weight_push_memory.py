@@ -44,7 +44,7 @@ def push_and_measure(hf_dir: str, url: str) -> dict[str, Any]:
     from megatron_grpo.mcore.model import build_model
     from megatron_grpo.mcore.parallel import init_parallel
     from megatron_grpo.rollout.runtime import RolloutRuntime
-    from megatron_grpo.train.weight_push import WeightPush
+    from megatron_grpo.weight_sync.push import WeightPush
 
     ctx = init_parallel(ParallelDims(tp=2, pp=2))
     cfg = resolve_hf_model(hf_dir)
@@ -54,7 +54,7 @@ def push_and_measure(hf_dir: str, url: str) -> dict[str, Any]:
         engines=EnginesConfig(type="sglang", urls=[url]), sync=WeightSyncConfig(bucket_mb=BUCKET_MB)
     )
     runtime = RolloutRuntime(rollout, model_cfg=cfg) if ctx.is_main else None
-    push = WeightPush(cfg, rollout, ctx, main_sender=runtime.sender if runtime else None)
+    push = WeightPush(cfg, rollout, ctx)
     push(model, "0", runtime)  # clients and groups opened, imports done
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)

@@ -228,7 +228,7 @@ def sglang_scenario(
     from megatron_grpo.mcore.parallel import init_parallel
     from megatron_grpo.rollout.runtime import RolloutRuntime
     from megatron_grpo.testing import perturb_weights
-    from megatron_grpo.train.weight_push import WeightPush
+    from megatron_grpo.weight_sync.push import WeightPush
 
     ctx = init_parallel(ParallelDims())
     cfg = dataclasses.replace(resolve_hf_model(hf_dir), params_dtype="bfloat16")
@@ -259,7 +259,7 @@ def sglang_scenario(
         perturb_weights(model, ctx, cfg, seed=step)
         method_cfg = rollout_cfg(method)
         runtime = RolloutRuntime(method_cfg, model_cfg=cfg)
-        push = WeightPush(cfg, method_cfg, ctx, main_sender=runtime.sender)
+        push = WeightPush(cfg, method_cfg, ctx)
         try:
             start = time.perf_counter()
             push(model, str(step), runtime)

@@ -3,7 +3,7 @@
 ``learner_scenario`` runs on 4 gloo ranks (``run_workers``). Global rank 0
 is the trainer's main rank: it generates through ``RolloutRuntime`` (attached
 to the server) and opens each weight push; every rank takes part in the forward
-passes, and both pipeline stages send their own layers (``train.weight_push``). Phases:
+passes, and both pipeline stages send their own layers (``weight_sync.push``). Phases:
 
 - ``initial``: the HF weights loaded into the learner; the server serves the
   same checkpoint;
@@ -101,7 +101,7 @@ def learner_scenario(
     from megatron_grpo.mcore.parallel import init_parallel
     from megatron_grpo.rollout.runtime import RolloutRuntime
     from megatron_grpo.testing import perturb_weights
-    from megatron_grpo.train.weight_push import WeightPush
+    from megatron_grpo.weight_sync.push import WeightPush
 
     ctx = init_parallel(ParallelDims(tp=2, pp=2))
     cfg = resolve_hf_model(hf_dir)
@@ -132,7 +132,7 @@ def learner_scenario(
         perturb_weights(model, ctx, cfg, seed=step)
         method_cfg = rollout_cfg(method)
         runtime = RolloutRuntime(method_cfg, model_cfg=cfg) if ctx.is_main else None
-        push = WeightPush(cfg, method_cfg, ctx, main_sender=runtime.sender if runtime else None)
+        push = WeightPush(cfg, method_cfg, ctx)
         start = time.perf_counter()
         push(model, str(step), runtime)  # collective: every stage sends its own layers
         timings[method] = time.perf_counter() - start
@@ -144,7 +144,7 @@ def learner_scenario(
     checked = rollout_cfg("tensor")
     checked.sync.check = True
     runtime = RolloutRuntime(checked, model_cfg=cfg) if ctx.is_main else None
-    push = WeightPush(cfg, checked, ctx, main_sender=runtime.sender if runtime else None)
+    push = WeightPush(cfg, checked, ctx)
     try:
         push(model, "check", runtime)
         check_error = ""

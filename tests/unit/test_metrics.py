@@ -16,7 +16,7 @@ from megatron_grpo.metrics import (
     plot_run,
     read_metrics,
 )
-from megatron_grpo.rollout.stage_sender import buckets
+from megatron_grpo.weight_sync.stream import buckets
 
 
 def test_jsonl_tensorboard_and_plots(tmp_path, capsys):

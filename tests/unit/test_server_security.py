@@ -238,6 +238,7 @@ def test_without_the_key_every_endpoint_but_health_answers_401(keyed_server):
         ("POST", "/update_weights_from_disk", {"model_path": "/"}),
         ("POST", "/get_weights_by_name", {"name": TARGET}),
         ("OPTIONS", "/get_weights_by_name", {"name": TARGET}),
+        ("POST", "/weights_checksum", {"names": [TARGET], "dtypes": ["float32"]}),
         ("POST", "/init_weights_update_group", {}),
         ("POST", "/pause_generation", {}),
         ("POST", "/abort_request", {"abort_all": True}),

@@ -31,9 +31,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_grpo.launch import free_port
-from megatron_grpo.sglang_api.update_group import (
-    dtype_name,
-    open_update_group,
+from megatron_grpo.sglang_api.update_group import dtype_name, open_update_group
+from megatron_grpo.weight_sync.sglang_tensor import (
     serialize_for_sglang,
     sglang_tensor_payload,
     shared_copies,
@@ -176,7 +175,7 @@ def test_a_cuda_tensor_names_its_device_by_uuid_and_nothing_else_changes(monkeyp
     tests/gpu/test_sglang_gpu.py.)"""
     from torch.multiprocessing import reductions
 
-    from megatron_grpo.sglang_api import update_group as sglang_weights
+    from megatron_grpo.weight_sync import sglang_tensor as sglang_weights
 
     monkeypatch.setattr(sglang_weights, "_device_uuid", lambda index: f"GPU-uuid-of-{index}")
     args = tuple(range(15))
@@ -188,8 +187,8 @@ def test_a_cuda_tensor_names_its_device_by_uuid_and_nothing_else_changes(monkeyp
 
 
 def test_sglang_on_a_gpu_takes_cuda_ipc_only_from_a_process_with_a_gpu(monkeypatch):
-    from megatron_grpo.rollout import server_kinds
-    from megatron_grpo.rollout.server_kinds import ServerKind
+    from megatron_grpo.weight_sync import server_kinds
+    from megatron_grpo.weight_sync.server_kinds import ServerKind
 
     on_gpu = ServerKind(embedded=False, tp_size=1, host=None, device="cuda")
     on_cpu = ServerKind(embedded=False, tp_size=1, host=None, device="cpu")

@@ -1,26 +1,26 @@
-"""Weight sync helpers around the stage senders (``stage_sender``).
+"""``rollout.sync.method=distributed``: a stage's sender is rank 0 of a weight-broadcast group
+with every engine's TP ranks (one group per stage, kept open across pushes by the sender).
 
-- ``open_update_group`` / ``close_update_group``: a weight-broadcast group of one sender
-  (rank 0) and every engine's TP ranks, for ``rollout.sync.method=distributed``;
-- ``write_disk_index``: after every stage has written its safetensors files for
-  ``rollout.sync.method=disk``, the ``config.json`` and ``model.safetensors.index.json`` that make
-  the directory a Hugging Face checkpoint the engines load.
+- ``open_update_group`` / ``close_update_group``: the group, joined by the engines through
+  ``/init_weights_update_group`` while this side joins (``sglang_api.update_group``);
+- ``distributed_method``: each bucket announced to ``/update_weights_from_distributed`` and
+  broadcast.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
+import socket
 import uuid
-from collections.abc import Sequence
-from pathlib import Path
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
-from megatron_grpo.config import ModelConfig
-from megatron_grpo.rollout.server_kinds import server_kinds
+from torch import Tensor
+
+from megatron_grpo.weight_sync.plan import SyncPlan
+from megatron_grpo.weight_sync.server_kinds import server_kinds
 
 if TYPE_CHECKING:
-    from megatron_grpo.rollout.stage_sender import StageReport
     from megatron_grpo.sglang_api.update_group import UpdateGroup
 
 
@@ -86,14 +86,32 @@ async def close_update_group(client, group: UpdateGroup) -> None:
         group.close()
 
 
-def write_disk_index(
-    path: str | Path, reports: Sequence[StageReport], cfg: ModelConfig, family: str
-) -> None:
-    """``config.json`` and the safetensors index for the files the stages wrote in ``path``."""
-    from megatron_grpo.convert.hf_config import hf_config_from_model_config
+def distributed_method(
+    client: Any, group: UpdateGroup, plan: SyncPlan
+) -> tuple[Callable, Callable]:
+    """``(prepare, deliver)``: a bucket goes as it is, announced and broadcast over ``group``."""
+    from megatron_grpo.sglang_api.update_group import dtype_name
 
-    path = Path(path)
-    hf_config_from_model_config(cfg, family).save_pretrained(path)
-    weight_map = {name: file for r in reports for file, names in r.files.items() for name in names}
-    index = {"metadata": {"total_size": sum(r.nbytes for r in reports)}, "weight_map": weight_map}
-    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    async def deliver(bucket: dict[str, Tensor]) -> None:
+        # Each engine answers once it has received and loaded the whole bucket.
+        announce = client.update_weights_from_distributed(
+            names=list(bucket),
+            dtypes=[dtype_name(t.dtype) for t in bucket.values()],
+            shapes=[list(t.shape) for t in bucket.values()],
+            group_name=group.name,
+            weight_version=plan.weight_version,
+        )
+        send = asyncio.to_thread(group.broadcast, list(bucket.values()))
+        for outcome in await asyncio.gather(announce, send, return_exceptions=True):
+            if isinstance(outcome, BaseException):
+                # What was sent may sit unread on the other side: the group is out of
+                # step and is opened anew at the next push.
+                group.broken = True
+                raise outcome
+
+    return (lambda bucket: bucket), deliver
+
+
+def host_address() -> str:
+    """This host's address, for engines to reach a sender away from the main rank's host."""
+    return socket.gethostbyname(socket.gethostname())

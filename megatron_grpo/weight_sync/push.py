@@ -3,13 +3,13 @@
 Collective over the world; only the ranks of data-parallel replica 0 (and, with expert
 parallelism, of expert-data-parallel replica 0) do more than bring their parameters up to
 date (``mcore.hf_export.takes_part``):
-1. the main rank opens the push on the engines and sends every rank of replica 0 a
-   ``SyncPlan`` over a gloo group of those ranks (made once, here);
+1. the main rank opens the push on the engines (``weight_sync.engines``) and sends every
+   rank of replica 0 a ``SyncPlan`` over a gloo group of those ranks (made once, here);
 2. each stage streams its layers (``mcore.hf_export``): the TP ranks join in the gathers,
-   the stage's sender (TP rank 0) sends buckets (``rollout.stage_sender``);
+   the stage's sender (TP rank 0) sends buckets (``weight_sync.sender``);
 3. the reports go back to the main rank, which closes the push, or drops engines that
    died during it and has every stage push again to the others;
-4. with ``rollout.sync.check``, each sender reads back what it sent.
+4. with ``rollout.sync.check``, each sender reads back what it sent (``weight_sync.check``).
 No rank holds more than its own shard, a decoder layer's full tensors and a few buckets.
 """
 
@@ -24,21 +24,19 @@ from megatron_grpo.config import ModelConfig, RolloutConfig
 from megatron_grpo.mcore.hf_export import is_stage_sender, stage_hf_layers, takes_part
 from megatron_grpo.mcore.model import sync_params
 from megatron_grpo.mcore.parallel import ParallelContext
-from megatron_grpo.rollout.stage_sender import StageReport, StageSender, drain
+from megatron_grpo.weight_sync.check import raise_on_problems
+from megatron_grpo.weight_sync.engines import begin_push, finish_push
+from megatron_grpo.weight_sync.plan import StageReport
+from megatron_grpo.weight_sync.sender import StageSender
+from megatron_grpo.weight_sync.stream import drain
 
 
 class WeightPush:
     """Built on every rank (collective: it makes the group of replica 0's ranks)."""
 
     def __init__(
-        self,
-        model_cfg: ModelConfig,
-        rollout_cfg: RolloutConfig,
-        ctx: ParallelContext,
-        *,
-        main_sender: StageSender | None,
+        self, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, ctx: ParallelContext
     ) -> None:
-        """``main_sender``: the main rank's sender (its runtime's); None on other ranks."""
         from megatron_grpo.mcore import device
         from megatron_grpo.rollout.runtime import client_config
 
@@ -51,9 +49,7 @@ class WeightPush:
             ranks = [r for r, m in enumerate(members) if m]
             self.group = dist.new_group(ranks, backend="gloo")
         self.sender: StageSender | None = None
-        if ctx.is_main:
-            self.sender = main_sender
-        elif is_stage_sender(ctx):
+        if is_stage_sender(ctx):
             self.sender = StageSender(
                 lambda urls: client_config(rollout_cfg, urls),
                 ctx.pp_rank,
@@ -66,7 +62,7 @@ class WeightPush:
         if not self.member:
             return
         while True:
-            plan = self._from_main(_call, runtime, "begin_push", weight_version)
+            plan = self._from_main(begin_push, runtime, weight_version)
             layers = stage_hf_layers(model, self.model_cfg, self.ctx)
             if self.sender is not None:
                 report = self.sender.send(layers, plan)
@@ -74,13 +70,13 @@ class WeightPush:
                 drain(layers)
                 report = StageReport(stage=self.ctx.pp_rank)
             reports = self._gather(report)
-            if self._from_main(_call, runtime, "finish_push", plan, reports):
+            if self._from_main(finish_push, runtime, plan, reports):
                 break
         if plan.check:
             problems = self.sender.check(plan) if self.sender is not None else []
             found = self._gather(problems)
             problems = [p for ps in found for p in ps]
-            self._from_main(_call, runtime, "check_push", plan, problems)
+            self._from_main(raise_on_problems, plan, problems)
 
     def _from_main(self, make: Callable[..., Any], *args: Any) -> Any:
         """``make(*args)`` on the main rank, its result on every member; an error there is
@@ -112,11 +108,6 @@ class WeightPush:
         return out or []
 
     def close(self) -> None:
-        """Close this rank's sender (the main rank's closes with its runtime)."""
-        if self.sender is not None and not self.ctx.is_main:
+        """Close this rank's sender (before the main rank's runtime stops the engines)."""
+        if self.sender is not None:
             self.sender.close()
-
-
-def _call(runtime: Any, method: str, *args: Any) -> Any:
-    """``runtime.method(*args)`` (the runtime exists on the main rank only)."""
-    return getattr(runtime, method)(*args)
