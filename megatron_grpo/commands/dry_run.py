@@ -18,6 +18,7 @@ from megatron_grpo.commands.memory_model import (
     LOGIT_FP32_BYTES,
     StageMemory,
     StageParams,
+    delta_copy_bytes,
     routes_bytes,
     stage_memory,
     stage_params,
@@ -246,6 +247,15 @@ def _format_memory(r: DryRunReport) -> list[str]:
         f"2 buckets of {cfg.rollout.sync.bucket_mb} MiB or the largest tensor): "
         f"{_gib(weight_push_bytes(m, cfg.rollout.sync.bucket_mb << 20))} GiB; the full model "
         f"would be {_gib(total_params(m) * DTYPE_BYTES[m.params_dtype])} GiB",
+        *(
+            [
+                "rollout.sync.delta: each stage's sender also keeps a host copy (CPU memory) of "
+                "the bytes it last sent, its stage's full weights: "
+                f"{_gib(delta_copy_bytes(m, dims))} GiB for the largest stage"
+            ]
+            if cfg.rollout.sync.delta
+            else []
+        ),
     ]
 
 

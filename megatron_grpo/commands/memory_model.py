@@ -114,6 +114,20 @@ def weight_push_bytes(m: ModelConfig, bucket_bytes: int) -> int:
     return 2 * largest_unit * dtype + 2 * max(bucket_bytes, largest_tensor * dtype)
 
 
+def delta_copy_bytes(m: ModelConfig, dims: ParallelDims) -> int:
+    """``rollout.sync.delta``: the host copy of the bytes last sent that a stage's sender keeps
+    between pushes (``weight_sync.delta``), its stage's full (unsharded) weights; the
+    largest stage's."""
+    vocab = m.vocab_size * m.hidden_size
+    return DTYPE_BYTES[m.params_dtype] * max(
+        p.num_layers * layer_params(m, 1)
+        + (vocab if p.embedding else 0)
+        + (vocab if p.output_layer else 0)
+        + (m.hidden_size if p.final_norm else 0)
+        for p in stage_params(m, dims)
+    )
+
+
 @dataclass(frozen=True)
 class StageParams:
     """Parameters one GPU of a pipeline stage holds (its TP shard)."""

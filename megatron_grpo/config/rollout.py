@@ -209,6 +209,19 @@ class WeightSyncConfig:
     back (``/get_weights_by_name``), equal within bf16 rounding. ``checksum``: a checksum of
     every weight's bytes as sent, against the embedded server's (``/weights_checksum``, not
     an SGLang endpoint); an SGLang engine gets the ``rows`` check instead."""
+    delta: bool = False
+    """method=tensor, embedded engines only: after the first push, send each tensor as
+    ``zstd(new XOR previous bytes)`` with a checksum of the new bytes, skip unchanged ones,
+    and push in full what an engine could not apply (``embedded.delta``). Each stage's
+    sender keeps a host copy of the bytes it last sent. SGLang has no endpoint that applies
+    a delta, so a push to an SGLang engine with this on stops with an error."""
+
+    def __post_init__(self) -> None:
+        if self.delta and self.method != "tensor":
+            raise ValueError(
+                f"rollout.sync.delta needs rollout.sync.method: tensor, not {self.method!r} "
+                "(the delta is sent to the embedded server's /update_weights_from_delta)"
+            )
 
 
 @dataclass(kw_only=True)

@@ -15,6 +15,12 @@ Ours, not SGLang's (an SGLang server answers 404):
   its bytes in the dtype given (``embedded.checksum``), that of the tensor a sender pushed
   in that dtype; the engine holds fp32, which keeps a bf16 or fp16 push exactly. An unknown
   name or dtype answers 400 naming it.
+- ``/update_weights_from_delta`` (``rollout.sync.delta``; a body of ``embedded.delta``)
+  XORs each tensor's delta into the engine's bytes of it in the dtype sent, loads those
+  whose checksum is the sender's, and answers ``{"success": true, "failed": [names]}``: the
+  names to push in full (every name, the unchanged ones too, when the engine's version is
+  neither the delta's base nor the version being pushed). Loaded or not, the engine then
+  reports the pushed ``weight_version``, as after ``/update_weights_from_tensor``.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import torch
 from aiohttp import web
 
 from megatron_grpo.embedded.checksum import ALGORITHM, tensor_checksum
+from megatron_grpo.embedded.delta import DELTA_CONTENT_TYPE, apply_delta, parse_body
 from megatron_grpo.embedded.engine import GenerationEngine
 from megatron_grpo.embedded.weights import copy_into_model, hf_weights
 from megatron_grpo.sglang_api.update_group import UpdateGroup, open_update_group
@@ -77,6 +84,7 @@ class WeightRoutes:
         app.router.add_post("/destroy_weights_update_group", self.destroy_group)
         app.router.add_route("*", "/get_weights_by_name", self.get_weights_by_name)
         app.router.add_post("/weights_checksum", self.weights_checksum)
+        app.router.add_post("/update_weights_from_delta", self.update_from_delta)
 
     async def init_group(self, request: web.Request) -> web.Response:
         body = await json_object(request)
@@ -169,3 +177,31 @@ class WeightRoutes:
 
         values = await asyncio.get_running_loop().run_in_executor(None, checksums)
         return web.json_response({"algorithm": ALGORITHM, "checksums": values})
+
+    async def update_from_delta(self, request: web.Request) -> web.Response:
+        if request.content_type != DELTA_CONTENT_TYPE:
+            return outcome(False, f"a delta update has Content-Type {DELTA_CONTENT_TYPE}")
+        loop = asyncio.get_running_loop()
+        try:
+            header, frames = parse_body(await request.read())
+        except ValueError as err:
+            return outcome(False, str(err))
+        version = str(header["weight_version"])
+        if self.engine.weight_version not in (str(header["base_version"]), version):
+            names = [t["name"] for t in header["tensors"]] + list(header["unchanged"])
+            named: dict[str, torch.Tensor] = {}
+            failed = names
+        else:
+
+            def decode() -> tuple[dict[str, torch.Tensor], list[str]]:
+                with torch.no_grad():
+                    weights = {k: v.detach() for k, v in hf_weights(self.engine.model).items()}
+                    return apply_delta(weights, header, frames)
+
+            named, failed = await loop.run_in_executor(None, decode)
+        try:
+            apply = functools.partial(copy_into_model, named_tensors=named, require_all=False)
+            await loop.run_in_executor(None, self.update, apply, version)
+        except (ValueError, TimeoutError) as err:
+            return outcome(False, f"Failed to update weights from the delta: {err}")
+        return web.json_response({"success": True, "message": "Success", "failed": failed})

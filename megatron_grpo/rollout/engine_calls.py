@@ -122,6 +122,13 @@ class EngineCalls:
             "POST", url, "/update_weights_from_tensor", dict(payload), weight_update=True
         )
 
+    async def update_weights_from_delta(self, body: bytes, *, url: str) -> list[str]:
+        """Send a delta bucket (``embedded.delta``) to one embedded server; the names it
+        could not apply, to push in full (``/update_weights_from_delta``, its own endpoint)."""
+        path = "/update_weights_from_delta"
+        answer = await self._call("POST", url, path, body, weight_update=True)
+        return list(answer["failed"])
+
     async def init_weights_update_group(
         self,
         *,

@@ -63,6 +63,7 @@ def begin_push(runtime: RolloutRuntime, weight_version: str) -> SyncPlan:
         main_host=socket.gethostname(),
         master_address=sync.master_address,
         check=check_mode(sync.check),
+        delta=sync.delta,
     )
 
 

@@ -30,6 +30,8 @@ class SyncPlan:
     """``distributed``: the address engines reach senders on the main rank's host at."""
     check: CheckMode | None = None
     """``rollout.sync.check``: what each sender compares after the push (None: nothing)."""
+    delta: bool = False
+    """``rollout.sync.delta``: send engines that hold the sender's last push a delta."""
 
 
 @dataclass
@@ -43,3 +45,5 @@ class StageReport:
     files: dict[str, list[str]] = field(default_factory=dict)
     """``disk``: file name -> the weights it holds."""
     nbytes: int = 0
+    sent_bytes: int = 0
+    """``rollout.sync.delta``: bytes of tensor data sent to one engine (full or delta)."""

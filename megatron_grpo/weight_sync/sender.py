@@ -42,6 +42,7 @@ from megatron_grpo.weight_sync.check import (
     first_rows,
     read_back,
 )
+from megatron_grpo.weight_sync.delta import DeltaState
 from megatron_grpo.weight_sync.disk import disk_method
 from megatron_grpo.weight_sync.distributed import (
     close_update_group,
@@ -82,6 +83,8 @@ class StageSender:
         self._sums: dict[str, tuple[str, str]] = {}
         """``checksum``: the dtype and checksum of each weight sent."""
         self._warned: set[str] = set()
+        self.delta = DeltaState()
+        """``rollout.sync.delta``: the bytes and version of the last push."""
 
     # ---- one push ----
 
@@ -93,14 +96,19 @@ class StageSender:
         report = StageReport(stage=self.stage)
         self._ways, self._samples, self._sums = {}, {}, {}
         named = self._named(layers, report)
+        self.delta.start()
         try:
             self.loop.run_until_complete(self._send(named, plan, report))
         except ProducerError:
+            self.delta.finish(self.stage, None)
             raise
         except Exception as err:  # noqa: BLE001 - reported to the main rank, which decides
             report.error = f"stage {self.stage}: {type(err).__name__}: {err}"
             report.rollout_error = isinstance(err, RolloutError)
             drain(named)
+        if plan.delta:
+            self.delta.finish(self.stage, None if report.error else plan.weight_version)
+            report.sent_bytes = self.delta.sent_bytes
         return report
 
     def _named(
@@ -127,7 +135,7 @@ class StageSender:
         if plan.check:
             self._ways = await self._check_ways(client, plan.urls, plan.check)
         if plan.method == "tensor":
-            prepare, deliver = await tensor_method(client, plan)
+            prepare, deliver = await tensor_method(client, plan, self.delta if plan.delta else None)
         elif plan.method == "disk":
             prepare, deliver = disk_method(plan, report, self.stage)
         elif plan.method == "distributed":

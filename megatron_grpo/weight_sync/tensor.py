@@ -3,9 +3,10 @@ engine, in the fastest form each engine takes.
 
 Per engine, as its ``/server_info`` says it is (``weight_sync.server_kinds``): an embedded
 server on this host, the bucket in shared memory; an embedded server elsewhere, a
-safetensors body (both ``embedded.weights``); SGLang, its CUDA IPC handles to copies on this
-GPU (for SGLang on a GPU, from a process with a GPU) or shared-memory handles otherwise, one
-pickle per TP rank (``weight_sync.sglang_tensor``).
+safetensors body (both ``embedded.weights``); with ``rollout.sync.delta``, an embedded
+server that holds the sender's last push, a delta bucket (``weight_sync.delta``); SGLang,
+its CUDA IPC handles to copies on this GPU (for SGLang on a GPU, from a process with a GPU)
+or shared-memory handles otherwise, one pickle per TP rank (``weight_sync.sglang_tensor``).
 """
 
 from __future__ import annotations
@@ -17,28 +18,46 @@ from typing import Any
 
 from torch import Tensor
 
+from megatron_grpo.weight_sync.delta import DeltaState, delta_engines, send_delta
 from megatron_grpo.weight_sync.plan import SyncPlan
 from megatron_grpo.weight_sync.server_kinds import ServerKind, server_kinds
 
 
-async def tensor_method(client: Any, plan: SyncPlan) -> tuple[Callable, Callable]:
+async def tensor_method(
+    client: Any, plan: SyncPlan, delta: DeltaState | None = None
+) -> tuple[Callable, Callable]:
     """``(prepare, deliver)`` for a push to the engines of ``plan``: ``prepare(bucket)`` makes
     a bucket ready for the ways some engine needs (on the producer thread), ``deliver``
-    sends it to every engine and frees it."""
+    sends it to every engine and frees it. ``delta``: the sender's state with
+    ``rollout.sync.delta`` on."""
     kinds = await server_kinds(client)
+    if delta is not None and (sglang := [u for u in plan.urls if not kinds[u].embedded]):
+        raise ValueError(
+            f"rollout.sync.delta: {', '.join(sglang)} is an SGLang engine, and SGLang's API "
+            "has no endpoint that applies a delta; turn rollout.sync.delta off (full pushes)"
+        )
+    by_delta = await delta_engines(client, plan.urls, delta, plan) if delta is not None else []
     by_way: dict[str, list[str]] = {"shm": [], "body": [], "sglang": [], "sglang_cuda": []}
     for url in plan.urls:
-        by_way[kinds[url].tensor_way()].append(url)
-    bucket_maker = _TensorBuckets(by_way, plan.weight_version)
+        if url not in by_delta:
+            by_way[kinds[url].tensor_way()].append(url)
+    bucket_maker = _TensorBuckets(by_way, plan.weight_version, delta, bool(by_delta))
 
     async def deliver(prepared: _Prepared) -> None:
         try:
-            await asyncio.gather(
-                *(
-                    client.update_weights_from_tensor(payload, url=url)
-                    for url, payload in prepared.payloads(by_way, kinds)
-                )
-            )
+            sends = [
+                client.update_weights_from_tensor(payload, url=url)
+                for url, payload in prepared.payloads(by_way, kinds)
+            ]
+            if delta is not None and prepared.delta is not None:
+                bucket, no_base = prepared.delta
+                sends += [
+                    send_delta(client, url, bucket, no_base, delta, first=i == 0)
+                    for i, url in enumerate(by_delta)
+                ]
+            elif delta is not None:
+                delta.sent_bytes += prepared.nbytes
+            await asyncio.gather(*sends)
         finally:
             prepared.close()
 
@@ -54,6 +73,9 @@ class _Prepared:
     body: Any = None
     sglang: Any = None
     sglang_cuda: Any = None
+    delta: Any = None
+    """``rollout.sync.delta``: the delta bucket and the names without a base."""
+    nbytes: int = 0
 
     def payloads(
         self, by_way: Mapping[str, list[str]], kinds: Mapping[str, ServerKind]
@@ -86,14 +108,26 @@ class _Prepared:
 class _TensorBuckets:
     """Makes a bucket ready for the ways some engine needs (on the producer thread)."""
 
-    def __init__(self, by_way: Mapping[str, list[str]], weight_version: str) -> None:
+    def __init__(
+        self,
+        by_way: Mapping[str, list[str]],
+        weight_version: str,
+        delta: DeltaState | None = None,
+        deltas: bool = False,
+    ) -> None:
         self.by_way, self.weight_version = by_way, weight_version
+        self.delta, self.deltas = delta, deltas
 
     def __call__(self, bucket: dict[str, Tensor]) -> _Prepared:
         from megatron_grpo.embedded.weights import shared_bucket, tensor_update
         from megatron_grpo.weight_sync import sglang_tensor
 
         ready = _Prepared(self.weight_version)
+        ready.nbytes = sum(t.numel() * t.element_size() for t in bucket.values())
+        if self.delta is not None:
+            encoded, no_base = self.delta.encode(bucket, self.weight_version, deltas=self.deltas)
+            if encoded is not None:
+                ready.delta = (encoded, no_base)
         if self.by_way["shm"]:
             ready.shm = shared_bucket(bucket)
         if self.by_way["body"]:

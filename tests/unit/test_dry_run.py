@@ -10,6 +10,7 @@ from megatron_grpo.commands.dry_run import dry_run, resolve_world_size
 from megatron_grpo.commands.memory_model import (
     GIB,
     activation_bytes_per_token_layer,
+    delta_copy_bytes,
     layer_params,
     layers_in_flight,
     routes_bytes,
@@ -47,6 +48,15 @@ def test_tiny_layer_and_total_by_hand():
     assert layer_params(m, 1) == TINY_LAYER == 37120
     # + embedding 15 x 64, output layer 15 x 64, final norm 64
     assert total_params(m) == 2 * TINY_LAYER + 960 + 960 + 64
+
+
+def test_delta_copy_is_the_largest_stages_full_weights_by_hand():
+    cfg = load_config(
+        None, TINY + ["parallel.tp=2", "parallel.pp=2", "model.params_dtype=bfloat16"]
+    )
+    # stage 1: a whole layer (unsharded: the sender's HF tensors), output layer 15 x 64 and
+    # the final norm, in bf16
+    assert delta_copy_bytes(cfg.model, cfg.parallel) == 2 * (TINY_LAYER + 960 + 64)
 
 
 def test_tiny_stages_at_tp2_pp2_by_hand():
