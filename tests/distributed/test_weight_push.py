@@ -4,7 +4,8 @@ A TP2 x PP2 launch (4 gloo processes) of a tiny dense model, and a TP2 x PP2 x E
 (8, data-parallel 2) of a tiny Qwen3-MoE whose experts are split over EP: the model is
 loaded from HF, then for
 each sync method its weights are moved (seeded noise, the same on every rank) and pushed
-by the trainer's own ``WeightPush`` with 1 MiB buckets, so every stage sends several. The
+by the trainer's own ``WeightPush`` with 1 MiB buckets, so every stage sends several (and
+for ``rollout.sync.delta``, a full push first, then the deltas of the moved weights). The
 embedded server's weights must then equal the learner's weights exported through the
 full-model gather and the conversion mapping, bitwise, with the pushed weight version and
 ``rollout.sync.check`` on: first rows for ``tensor``, checksums for the others.
@@ -24,8 +25,13 @@ from megatron_grpo.testing import perturb_weights, random_hf_model, tiny_hf_conf
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(400)]
 
 HERE = Path(__file__)
-METHODS = ("tensor", "disk", "distributed")
-CHECKS: dict[str, Any] = {"tensor": True, "disk": "checksum", "distributed": "checksum"}
+METHODS = ("tensor", "disk", "distributed", "delta")
+CHECKS: dict[str, Any] = {
+    "tensor": True,
+    "disk": "checksum",
+    "distributed": "checksum",
+    "delta": "checksum",
+}
 
 
 def _moved(model: list, ctx, cfg, seed: int) -> dict[str, torch.Tensor] | None:
@@ -56,14 +62,27 @@ def push_every_method(hf_dir: str, ep: int) -> dict[str, Any] | None:
     results: dict[str, Any] = {}
     for step, method in enumerate(METHODS, start=1):
         check = CHECKS[method]
-        sync = WeightSyncConfig(method=method, bucket_mb=1, check=check)  # type: ignore[arg-type]
+        delta = method == "delta"
+        sync = WeightSyncConfig(
+            method="tensor" if delta else method,  # type: ignore[arg-type]
+            bucket_mb=1,
+            check=check,
+            delta=delta,
+        )
         rollout = RolloutConfig(sync=sync)
         runtime = None
         if ctx.is_main:
             runtime = RolloutRuntime(rollout, hf_model=hf_model_from_config(cfg), model_cfg=cfg)
         push = WeightPush(cfg, rollout, ctx)
+        if delta:  # a full push first: the one after it sends deltas
+            _moved(model, ctx, cfg, seed=100)
+            push(model, "base", runtime)
         expected = _moved(model, ctx, cfg, seed=step)
         push(model, str(step), runtime)
+        if delta and push.sender is not None:  # every stage sent deltas, not full tensors
+            state = push.sender.delta
+            kept = sum(data.size for _, _, data in state.previous.values())
+            assert state.version == str(step) and 0 < state.sent_bytes < kept, state.sent_bytes
         push.close()
         if runtime is not None:
             assert expected is not None and runtime.server is not None
