@@ -19,7 +19,9 @@ layer, or the embedding or head: the one being gathered, ``mcore.hf_export``, an
 whose bucket is in flight) plus two buckets (the copy being made ready and the one in
 flight; a bucket holds at least one tensor, so it may be the largest tensor); buckets being
 filled hold views. ``distributed`` sends from the tensors themselves. The dry run prints
-the figure (``commands.memory_model.weight_push_bytes``).
+the figure (``commands.memory_model.weight_push_bytes``). With ``rollout.sync.delta`` the
+sender also keeps, between pushes, a host copy of the bytes it last sent: its stage's full
+weights (``weight_sync.delta``; ``memory_model.delta_copy_bytes``).
 """
 
 from __future__ import annotations

@@ -59,6 +59,15 @@ def test_delta_copy_is_the_largest_stages_full_weights_by_hand():
     assert delta_copy_bytes(cfg.model, cfg.parallel) == 2 * (TINY_LAYER + 960 + 64)
 
 
+def test_dry_run_prints_the_delta_copy_only_with_delta(capsys):
+    argv = ["train", "--dry-run", "--world-size", "1"] + [f"--set={x}" for x in TINY]
+    assert cli.main(argv) == 0
+    assert "rollout.sync.delta" not in capsys.readouterr().out
+    assert cli.main(argv + ["--set", "rollout.sync.delta=true"]) == 0
+    out = capsys.readouterr().out
+    assert "rollout.sync.delta: each stage's sender also keeps a host copy" in out, out
+
+
 def test_tiny_stages_at_tp2_pp2_by_hand():
     cfg = load_config(None, TINY + ["parallel.tp=2", "parallel.pp=2"])
     s0, s1 = stage_params(cfg.model, cfg.parallel)
