@@ -54,6 +54,7 @@ from megatron_grpo.config.reward import (
 )
 from megatron_grpo.config.rollout import (
     AdvantageConfig,
+    ColocateConfig,
     DataConfig,
     EngineClientConfig,
     EnginesConfig,
@@ -67,6 +68,7 @@ __all__ = [
     "MODES",
     "MOVED_KEYS",
     "AdvantageConfig",
+    "ColocateConfig",
     "Config",
     "DataConfig",
     "EngineClientConfig",

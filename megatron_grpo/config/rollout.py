@@ -224,6 +224,70 @@ class WeightSyncConfig:
             )
 
 
+OFFLOADABLE = ("optimizer", "grads", "params")
+"""What of the learner ``rollout.colocate.offload`` may move to host memory while the engines
+generate."""
+
+
+@dataclass(kw_only=True)
+class ColocateConfig:
+    """``rollout.placement: colocated``: the engines run on the learner's GPUs and the two take
+    turns. Each step: the learner's ``offload`` goes to host memory -> the engines' weights
+    wake -> the new weights are pushed -> their KV cache wakes -> they generate -> they
+    release their memory -> the learner comes back -> it trains (``rollout.colocation``)."""
+
+    offload: list[Literal["optimizer", "grads", "params"]] = field(
+        default_factory=lambda: ["optimizer", "grads"]
+    )
+    """What of the learner goes to host memory while the engines generate: its optimizer
+    states, its gradient buffers, its parameters (after the weight push, which reads them).
+    slime's ``--offload-train`` moves all three; verl's ``optimizer_offload`` and
+    ``param_offload``."""
+    mem_fraction_static: float = 0.7
+    """The share of each GPU an engine the trainer launches may take for its weights and KV
+    cache while awake (SGLang's ``--mem-fraction-static``); what the learner keeps resident
+    (parameters not offloaded, its CUDA context) must fit beside it."""
+    engine_tp: int | None = None
+    """GPUs per engine (SGLang's ``--tp-size``) when the trainer launches them; one engine per
+    ``engine_tp`` GPUs of each node. None: the smallest power of two whose weight shard takes
+    at most half of ``mem_fraction_static`` of a GPU (``dry-run`` prints it)."""
+    transition_timeout_s: float = 300.0
+    """How long each transition (a release, a resume, an offload, a reload) may take before
+    the run stops naming it."""
+    host_memory_headroom_gib: float = 8.0
+    """Host memory (per node) that the offload must leave free for everything else: the
+    run refuses at start when the node's available memory minus this cannot hold what all
+    its ranks offload."""
+
+    def __post_init__(self) -> None:
+        unknown = [o for o in self.offload if o not in OFFLOADABLE]
+        if unknown:
+            raise ValueError(
+                f"rollout.colocate.offload takes {', '.join(OFFLOADABLE)}; got {unknown}"
+            )
+        if not 0 < self.mem_fraction_static < 1:
+            raise ValueError(
+                "rollout.colocate.mem_fraction_static must be in (0, 1), got "
+                f"{self.mem_fraction_static}"
+            )
+        if self.engine_tp is not None and (
+            self.engine_tp < 1 or self.engine_tp & (self.engine_tp - 1)
+        ):
+            raise ValueError(
+                f"rollout.colocate.engine_tp must be a power of two >= 1, got {self.engine_tp}"
+            )
+        if self.transition_timeout_s <= 0:
+            raise ValueError(
+                "rollout.colocate.transition_timeout_s must be > 0, got "
+                f"{self.transition_timeout_s}"
+            )
+        if self.host_memory_headroom_gib < 0:
+            raise ValueError(
+                "rollout.colocate.host_memory_headroom_gib must be >= 0, got "
+                f"{self.host_memory_headroom_gib}"
+            )
+
+
 @dataclass(kw_only=True)
 class RolloutConfig:
     """Where generations come from and how they are sampled.
@@ -246,6 +310,11 @@ class RolloutConfig:
     engines: EnginesConfig = field(default_factory=EnginesConfig)
     client: EngineClientConfig = field(default_factory=EngineClientConfig)
     sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    placement: Literal["disaggregated", "colocated"] = "disaggregated"
+    """Where the engines run: on GPUs of their own (``disaggregated``), or on the learner's,
+    taking turns with it (``colocated``: ``rollout.colocate``; verl's hybrid engine, slime's
+    ``--colocate``, NeMo-RL's ``policy.generation.colocated.enabled``)."""
+    colocate: ColocateConfig = field(default_factory=ColocateConfig)
     max_staleness: int = 0
     """0: each step generates its rollout, then trains on it (synchronous). k >= 1: the
     rollouts of the next steps are generated while the learner trains (asynchronous), each
@@ -279,7 +348,7 @@ class RolloutConfig:
         if self.engines.type != "embedded":
             return False
         if self.engines.embedded_server == "auto":
-            return self.max_staleness > 0
+            return self.max_staleness > 0 or self.placement == "colocated"
         return self.engines.embedded_server == "process"
 
     def __post_init__(self) -> None:
@@ -303,6 +372,8 @@ class RolloutConfig:
                 f"rollout.producer_cpus must be CPU numbers >= 0, got {self.producer_cpus}"
             )
         engines = self.engines
+        if self.placement == "colocated":
+            self._check_colocated()
         if self.embedded_process and engines.api_key_env is None and not is_loopback(engines.host):
             raise ValueError(
                 f"rollout.engines.host={engines.host!r} is beyond loopback: the embedded "
@@ -325,6 +396,30 @@ class RolloutConfig:
                 raise ValueError(
                     "set rollout.engines.urls (attach) or rollout.engines.launch_command, not both"
                 )
+
+    def _check_colocated(self) -> None:
+        if self.max_staleness:
+            raise ValueError(
+                "rollout.placement: colocated with rollout.max_staleness >= 1: asynchronous "
+                "RL generates while the learner trains, and colocated engines and learner "
+                "take turns on the same GPUs; use one or the other"
+            )
+        if self.engines.type == "embedded" and self.engines.embedded_server == "thread":
+            raise ValueError(
+                "rollout.placement: colocated with rollout.engines.embedded_server: thread: "
+                "the embedded engine releases and resumes its memory as a process of its own "
+                "(embedded_server: process or auto)"
+            )
+        if self.engines.type == "sglang" and self.engines.router_url is not None:
+            raise ValueError(
+                "rollout.placement: colocated with rollout.engines.router_url: each engine "
+                "is put to sleep and woken by the trainer, not through a router"
+            )
+        if self.sync.method == "disk":
+            raise ValueError(
+                "rollout.placement: colocated pushes weights by tensor (CUDA IPC handles on "
+                "the shared GPUs) or distributed, not rollout.sync.method: disk"
+            )
 
 
 def is_loopback(host: str) -> bool:
