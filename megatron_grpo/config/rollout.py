@@ -415,6 +415,14 @@ class RolloutConfig:
                 "rollout.placement: colocated with rollout.engines.router_url: each engine "
                 "is put to sleep and woken by the trainer, not through a router"
             )
+        if self.engines.type == "sglang" and self.engines.launch_command and (
+            self.engines.num_servers != 1
+        ):
+            raise ValueError(
+                "rollout.placement: colocated launches one engine per rollout.colocate."
+                "engine_tp GPUs of the node; rollout.engines.num_servers is not used there "
+                f"(got {self.engines.num_servers})"
+            )
         if self.sync.method == "disk":
             raise ValueError(
                 "rollout.placement: colocated pushes weights by tensor (CUDA IPC handles on "

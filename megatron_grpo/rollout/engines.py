@@ -7,6 +7,7 @@ from __future__ import annotations
 import shutil
 import sys
 import tempfile
+from dataclasses import dataclass
 
 from megatron_grpo.config import EnginesConfig, ModelConfig, RolloutConfig
 from megatron_grpo.rollout.client_config import api_key_from_env
@@ -21,22 +22,57 @@ ROUTED_EXPERTS_FLAG = "--enable-return-routed-experts"
 """SGLang's server flag without which a request's ``return_routed_experts`` is refused."""
 
 
+@dataclass(frozen=True)
+class ColocatedEngines:
+    """Engines launched on the learner's GPUs of this node (``rollout.placement:
+    colocated``): ``num_engines`` of ``tp`` GPUs each."""
+
+    num_engines: int
+    tp: int
+    mem_fraction_static: float
+
+    def flags(self) -> list[tuple[str, str | None]]:
+        """SGLang's server flags for it: the memory saver (without which
+        ``/release_memory_occupation`` frees nothing), the share of the GPU, the GPUs."""
+        return [
+            ("--enable-memory-saver", None),
+            ("--mem-fraction-static", f"{self.mem_fraction_static:g}"),
+            ("--tp-size", str(self.tp)),
+            ("--base-gpu-id", "{base_gpu_id}"),
+        ]
+
+
+def with_flags(command: str, flags: list[tuple[str, str | None]]) -> str:
+    """``command`` with each of ``flags`` appended unless the command has it already."""
+    words = command.split()
+    for flag, value in flags:
+        if flag not in words and not any(w.startswith(f"{flag}=") for w in words):
+            command += f" {flag}" if value is None else f" {flag} {value}"
+    return command
+
+
 def start_or_attach(
-    cfg: EnginesConfig, model_path: str | None, *, routed_experts: bool = False
+    cfg: EnginesConfig,
+    model_path: str | None,
+    *,
+    routed_experts: bool = False,
+    colocated: ColocatedEngines | None = None,
 ) -> ServerGroup:
     """The SGLang servers of ``cfg``: started from ``launch_command`` (with
-    ``ROUTED_EXPERTS_FLAG`` added for ``routed_experts`` unless it is there), or attached at
-    ``urls``."""
+    ``ROUTED_EXPERTS_FLAG`` added for ``routed_experts``, and ``colocated``'s flags, unless
+    the command has them), or attached at ``urls``."""
     if cfg.launch_command is None:
         return attach_servers(cfg.urls, router_url=cfg.router_url, timeout_s=cfg.startup_timeout_s)
     log_dir = cfg.log_dir or tempfile.mkdtemp(prefix="mgrpo_sglang_logs_")
-    command = cfg.launch_command
-    if routed_experts and ROUTED_EXPERTS_FLAG not in command.split():
-        command += f" {ROUTED_EXPERTS_FLAG}"
+    flags: list[tuple[str, str | None]] = [(ROUTED_EXPERTS_FLAG, None)] if routed_experts else []
+    if colocated is not None:
+        flags += colocated.flags()
+    command = with_flags(cfg.launch_command, flags)
     return launch_servers(
         LaunchConfig(
             command=command,
-            num_servers=cfg.num_servers,
+            num_servers=cfg.num_servers if colocated is None else colocated.num_engines,
+            gpus_per_server=1 if colocated is None else colocated.tp,
             host=cfg.host,
             model=model_path,
             log_dir=log_dir,

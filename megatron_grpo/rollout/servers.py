@@ -44,7 +44,7 @@ from megatron_grpo.launch import die_with_parent, free_port
 
 logger = logging.getLogger(__name__)
 
-TEMPLATE_FIELDS = ("port", "host", "index", "model")
+TEMPLATE_FIELDS = ("port", "host", "index", "model", "base_gpu_id")
 """The placeholders a launch command may use."""
 
 
@@ -64,6 +64,9 @@ class LaunchConfig:
     """Command line template; see ``TEMPLATE_FIELDS`` for the placeholders it may use."""
     num_servers: int = 1
     """How many servers to start, each on its own port."""
+    gpus_per_server: int = 1
+    """GPUs each server takes: server ``index`` starts at GPU ``index * gpus_per_server``
+    (``{base_gpu_id}``, SGLang's ``--base-gpu-id``)."""
     host: str = "127.0.0.1"
     """Address the servers listen on (``{host}``); the URLs use it too."""
     ports: tuple[int, ...] = ()
@@ -111,7 +114,13 @@ def template_fields(command: str) -> set[str]:
 
 def server_argv(cfg: LaunchConfig, index: int, port: int) -> list[str]:
     """The argument vector of server ``index``."""
-    values = {"port": port, "host": cfg.host, "index": index, "model": cfg.model}
+    values = {
+        "port": port,
+        "host": cfg.host,
+        "index": index,
+        "model": cfg.model,
+        "base_gpu_id": index * cfg.gpus_per_server,
+    }
     argv = shlex.split(cfg.command.format(**values))
     if cfg.api_key is not None and not _has_api_key_flag(argv):
         argv += ["--api-key", cfg.api_key]
