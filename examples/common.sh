@@ -13,6 +13,9 @@
 #   --dry-run  check the layout and memory per GPU at NNODES x GPUS_PER_NODE; starts nothing.
 #   --rollout  start this host's SGLang engines (GPUs ROLLOUT_GPUS, SGLANG_TP per engine) and
 #              wait; run it on each of the ROLLOUT_NODES rollout hosts first.
+# A colocated recipe (PLACEMENT=colocated, and COLOCATE_ARGS) runs its engines on the training
+# GPUs: the trainer starts them itself from rollout.engines.launch_command (SGLANG_ARGS, at
+# rollout.colocate.engine_tp=SGLANG_TP) and pushes the weights by tensor; it has no --rollout.
 #
 # Environment, with defaults (relative paths are from the repository root):
 #   NNODES=TRAIN_NODES NODE_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 GPUS_PER_NODE=8
@@ -24,6 +27,7 @@
 #   ROLLOUT_HOSTS=127.0.0.1     (the rollout hosts, comma separated)
 #   ROLLOUT_GPUS=0,...,GPUS_PER_NODE-1  SGLANG_PORT=30000 (engine i listens on SGLANG_PORT+i)
 #   SGLANG_PYTHON=python        (the interpreter that has sglang, e.g. another virtualenv)
+#   HOST_MEMORY_GIB             (--dry-run: host memory per node; the dry run's default if unset)
 # shellcheck shell=bash
 # shellcheck disable=SC2034  # TRAIN_ARGS etc. are read by the functions below
 
@@ -63,6 +67,23 @@ FROM_MEGATRON=(--set train.init="$MEGATRON_DIR")
 LAYOUT_ARGS=(--set parallel.tp="$TP" --set parallel.pp="$PP" --set parallel.cp="$CP")
 if [ -n "${EP:-}" ]; then LAYOUT_ARGS+=(--set parallel.ep="$EP"); fi
 URL_LIST=$(printf '"%s",' "${ROLLOUT_URLS[@]}")
+PLACEMENT=${PLACEMENT:-disaggregated}
+if [ "$PLACEMENT" = colocated ]; then
+  # {model}, {host} and {port} are filled by the trainer for each engine it starts.
+  SGLANG_LAUNCH="$SGLANG_PYTHON -m sglang.launch_server --model-path {model} --host {host}"
+  ENGINE_ARGS=(
+    --set rollout.placement=colocated
+    "${COLOCATE_ARGS[@]}"
+    --set rollout.colocate.engine_tp="$SGLANG_TP"
+    --set rollout.engines.launch_command="$SGLANG_LAUNCH --port {port} ${SGLANG_ARGS[*]}"
+    --set rollout.sync.method=tensor
+  )
+else
+  ENGINE_ARGS=(
+    --set rollout.engines.urls="[${URL_LIST%,}]"
+    --set rollout.sync.master_address="$MASTER_ADDR"
+  )
+fi
 TRAIN_ARGS=(
   --config "$EXAMPLES/grpo_math.yaml"
   "${CKPT_ARGS[@]}"
@@ -70,8 +91,7 @@ TRAIN_ARGS=(
   "${PERF_ARGS[@]}"
   "${ROLLOUT_ARGS[@]}"
   --set data.path="$DATA"
-  --set rollout.engines.urls="[${URL_LIST%,}]"
-  --set rollout.sync.master_address="$MASTER_ADDR"
+  "${ENGINE_ARGS[@]}"
 )
 
 run_recipe() {
@@ -88,14 +108,17 @@ run_recipe() {
 }
 
 dry_run() {
+  local host_memory=()
+  if [ -n "${HOST_MEMORY_GIB:-}" ]; then host_memory=(--host-memory-gib "$HOST_MEMORY_GIB"); fi
   megatron-grpo train --dry-run --nnodes "$NNODES" --gpus-per-node "$GPUS_PER_NODE" \
-    --gpu-memory-gb "${GPU_MEMORY_GB:-80}" "${TRAIN_ARGS[@]}" "${FROM_HF[@]}" "$@"
+    --gpu-memory-gb "${GPU_MEMORY_GB:-80}" "${host_memory[@]}" "${TRAIN_ARGS[@]}" \
+    "${FROM_HF[@]}" "$@"
 }
 
 train() {
   if [ "$NODE_RANK" = 0 ]; then
     convert_checkpoint "$@"
-    wait_for_engines
+    if [ "$PLACEMENT" != colocated ]; then wait_for_engines; fi
   else
     wait_for_file "$MEGATRON_DIR/model.yaml"
   fi
@@ -137,6 +160,10 @@ wait_for_engines() {
 # one exits or this script is interrupted.
 start_engines() {
   local i devices
+  if [ "$PLACEMENT" = colocated ]; then
+    echo "$RECIPE is colocated: the trainer starts its engines on the training GPUs" >&2
+    exit 1
+  fi
   ENGINE_PIDS=()
   for ((i = 0; i < ENGINES_PER_HOST; i++)); do
     devices=$(IFS=,; echo "${_rollout_gpus[*]:i * SGLANG_TP:SGLANG_TP}")

@@ -42,9 +42,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         warnings.filterwarnings("ignore", category=MovedKeyWarning)
     cfg = load_config(args.config, overrides)  # fail fast, before any process starts
     sizing = (args.world_size, args.nnodes, args.gpus_per_node, args.gpu_memory_gb)
-    if not args.dry_run and any(x is not None for x in sizing):
+    if not args.dry_run and any(x is not None for x in (*sizing, args.host_memory_gib)):
         raise ValueError(
-            "--world-size, --nnodes, --gpus-per-node and --gpu-memory-gb need --dry-run"
+            "--world-size, --nnodes, --gpus-per-node, --gpu-memory-gb and --host-memory-gib "
+            "need --dry-run"
         )
     if args.dry_run:  # arithmetic only: no process, no process group, no GPU
         from megatron_grpo.commands.dry_run import dry_run, resolve_world_size
@@ -57,6 +58,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             world_size=world_size,
             gpus_per_node=gpus_per_node,
             gpu_memory_gb=80.0 if args.gpu_memory_gb is None else args.gpu_memory_gb,
+            host_memory_gib=2048.0 if args.host_memory_gib is None else args.host_memory_gib,
         )
         print(report.format())
         if not report.fits:
@@ -306,6 +308,12 @@ def add_train_parser(sub) -> None:
         "--gpu-memory-gb",
         type=float,
         help="memory of one GPU in GiB (with --dry-run; default 80)",
+    )
+    p.add_argument(
+        "--host-memory-gib",
+        type=float,
+        help="host memory of one node in GiB, for the offload of rollout.placement: colocated "
+        "(with --dry-run; default 2048, an 8-GPU H100 node's 2 TiB)",
     )
     p.set_defaults(func=cmd_train)
 

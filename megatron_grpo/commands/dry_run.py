@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron_grpo.commands.colocated_memory import ColocatedMemory, colocated_memory
 from megatron_grpo.commands.memory_model import (
     DTYPE_BYTES,
     GIB,
@@ -61,6 +62,8 @@ class DryRunReport:
     gpu_memory_gb: float
     params: list[StageParams]
     memory: list[StageMemory]
+    colocated: ColocatedMemory | None = None
+    """Both phases and the offload's host memory, for ``rollout.placement: colocated``."""
 
     @property
     def worst(self) -> StageMemory:
@@ -68,10 +71,13 @@ class DryRunReport:
 
     @property
     def fits(self) -> bool:
-        return self.worst.total <= self.gpu_memory_gb * GIB
+        learner_fits = self.worst.total <= self.gpu_memory_gb * GIB
+        return learner_fits and (self.colocated is None or self.colocated.fits)
 
     def refusal(self) -> str:
         """Why the layout does not fit, and what to change."""
+        if self.colocated is not None and self.worst.total <= self.gpu_memory_gb * GIB:
+            return "; ".join(self.colocated.shortfalls()) + "."
         w, dims, train = self.worst, self.cfg.parallel, self.cfg.train
         parts = sorted(w.parts().items(), key=lambda kv: -kv[1])[:3]
         model_states = w.weights + w.gradients + w.optimizer
@@ -122,12 +128,15 @@ def dry_run(
     world_size: int,
     gpus_per_node: int | None = None,
     gpu_memory_gb: float = 80.0,
+    host_memory_gib: float = 2048.0,
     unfused_attention: bool | None = None,
 ) -> DryRunReport:
     """Validate ``cfg``'s layout for ``world_size`` GPUs and estimate memory per GPU.
 
-    ``unfused_attention`` says whether attention keeps its S x S probabilities (True on CPU,
-    with the local layer spec); None decides as on GPUs (see ``uses_unfused_attention``).
+    ``host_memory_gib`` is each node's host memory, read for ``rollout.placement: colocated``
+    (the learner's offload). ``unfused_attention`` says whether attention keeps its S x S
+    probabilities (True on CPU, with the local layer spec); None decides as on GPUs (see
+    ``uses_unfused_attention``).
 
     Raises a ValueError naming the reason when the layout is invalid; a layout
     that is valid but too big comes back with ``fits`` False.
@@ -137,6 +146,7 @@ def dry_run(
     if gpu_memory_gb <= 0:
         raise ValueError(f"--gpu-memory-gb must be positive, got {gpu_memory_gb}")
     params = stage_params(m, dims)
+    memory = [stage_memory(cfg, p, dp, unfused_attention=unfused_attention) for p in params]
     return DryRunReport(
         cfg=cfg,
         world_size=world_size,
@@ -144,7 +154,37 @@ def dry_run(
         dp=dp,
         gpu_memory_gb=gpu_memory_gb,
         params=params,
-        memory=[stage_memory(cfg, p, dp, unfused_attention=unfused_attention) for p in params],
+        memory=memory,
+        colocated=_colocated(
+            cfg, memory, gpus_per_node or world_size, gpu_memory_gb, host_memory_gib
+        ),
+    )
+
+
+def _colocated(
+    cfg: Config,
+    memory: list[StageMemory],
+    gpus_per_node: int,
+    gpu_memory_gb: float,
+    host_memory_gib: float,
+) -> ColocatedMemory | None:
+    """The colocated placement's phases (None when the engines have GPUs of their own); without
+    --nnodes or --gpus-per-node, the world is one node."""
+    if cfg.rollout.placement != "colocated":
+        return None
+    if host_memory_gib <= 0:
+        raise ValueError(f"--host-memory-gib must be positive, got {host_memory_gib}")
+    co = cfg.rollout.colocate
+    return colocated_memory(
+        offload=co.offload,
+        mem_fraction_static=co.mem_fraction_static,
+        engine_tp=co.engine_tp,
+        host_headroom_gib=co.host_memory_headroom_gib,
+        num_params=total_params(cfg.model),
+        stages=memory,
+        gpus_per_node=gpus_per_node,
+        gpu_memory_gib=gpu_memory_gb,
+        host_memory_gib=host_memory_gib,
     )
 
 
@@ -165,8 +205,12 @@ def _format(r: DryRunReport) -> list[str]:
     lines = _format_params(r) + _format_memory(r)
     if r.gpus_per_node and dims.tp > r.gpus_per_node:
         lines.append(f"note: TP={dims.tp} spans nodes ({r.gpus_per_node} GPUs per node)")
+    detail = f"{_gib(r.worst.total)} of {r.gpu_memory_gb:g} GiB per GPU"
+    if r.colocated is not None:
+        lines += r.colocated.format()
+        detail = r.colocated.verdict_detail()
     verdict = "fits" if r.fits else "DOES NOT FIT"
-    lines.append(f"verdict: {verdict} ({_gib(r.worst.total)} of {r.gpu_memory_gb:g} GiB per GPU)")
+    lines.append(f"verdict: {verdict} ({detail})")
     return lines
 
 

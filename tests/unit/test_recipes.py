@@ -41,6 +41,8 @@ MODELS = {
     "llama3.1_8b": "llama",
     "llama3.1_70b": "llama",
 }
+COLOCATED = ("qwen3_8b_colocated", "qwen3_30b_a3b_colocated")
+"""Colocated variants of recipes in MODELS (tests/unit/test_colocated_dry_run.py)."""
 LAYOUT_VARS = ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "GPUS_PER_NODE")
 
 
@@ -186,7 +188,7 @@ def load_train_config(argv: list[str]):
 
 def test_every_model_has_a_run_script_and_an_hf_config():
     scripts = sorted(p.stem.removeprefix("run_grpo_") for p in EXAMPLES.glob("run_grpo_*.sh"))
-    assert scripts == sorted([*MODELS, "cpu_tiny"])
+    assert scripts == sorted([*MODELS, *COLOCATED, "cpu_tiny"])
     assert sorted(p.name for p in HF_CONFIGS.iterdir()) == sorted(MODELS)
     assert not (EXAMPLES / "models").exists()
 
