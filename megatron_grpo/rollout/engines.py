@@ -42,6 +42,37 @@ class ColocatedEngines:
         ]
 
 
+def colocated_engines(cfg: RolloutConfig, model_cfg: ModelConfig) -> ColocatedEngines:
+    """The engines to launch on this node's GPUs: ``rollout.colocate.engine_tp`` (or its
+    default for this GPU's memory, ``commands.colocated_memory``) GPUs each."""
+    import torch
+
+    from megatron_grpo.commands.colocated_memory import (
+        check_engine_tp,
+        default_engine_tp,
+        engine_weight_bytes,
+    )
+    from megatron_grpo.commands.memory_model import total_params
+
+    if not torch.cuda.is_available():
+        raise ValueError(
+            "rollout.placement: colocated with launched SGLang engines needs the node's GPUs "
+            "(none is visible here); on a CPU machine use rollout.engines.type: embedded"
+        )
+    colocate = cfg.colocate
+    gpus = torch.cuda.device_count()
+    pool = colocate.mem_fraction_static * torch.cuda.get_device_properties(0).total_memory
+    weights = engine_weight_bytes(total_params(model_cfg))
+    if colocate.engine_tp is None:
+        tp = default_engine_tp(weights, gpus, pool)
+    else:
+        tp = colocate.engine_tp
+        check_engine_tp(tp, weights, gpus, pool)
+    return ColocatedEngines(
+        num_engines=gpus // tp, tp=tp, mem_fraction_static=colocate.mem_fraction_static
+    )
+
+
 def with_flags(command: str, flags: list[tuple[str, str | None]]) -> str:
     """``command`` with each of ``flags`` appended unless the command has it already."""
     words = command.split()

@@ -157,8 +157,16 @@ class RolloutRuntime:
                 api_key=api_key_from_env(cfg.engines.api_key_env),
             )
             return (self.server.url,), (self.server.url,)
+        colocated = None
+        if cfg.placement == "colocated" and cfg.engines.launch_command is not None:
+            if self.model_cfg is None:
+                raise ValueError("colocated engines need the policy's model config")
+            colocated = engines.colocated_engines(cfg, self.model_cfg)
         self.servers = engines.start_or_attach(
-            cfg.engines, model_path, routed_experts=bool(cfg.return_routed_experts)
+            cfg.engines,
+            model_path,
+            routed_experts=bool(cfg.return_routed_experts),
+            colocated=colocated,
         )
         return self.servers.generate_urls, self.servers.urls
 
