@@ -39,6 +39,7 @@ from megatron_grpo.convert.weights import (
     megatron_layer_to_hf,
 )
 from megatron_grpo.mcore.full_state import chunk_params
+from megatron_grpo.mcore.offload import require_resident
 from megatron_grpo.mcore.parallel import ParallelContext
 
 Unit = tuple[int | None, dict[str, Tensor]]
@@ -150,7 +151,8 @@ def stage_hf_layers(model: list, cfg: ModelConfig, ctx: ParallelContext) -> Iter
     on the stage's sender (``is_stage_sender``); the other ranks that take part
     (``takes_part``) iterate too, joining the TP gathers of the dense weights and the EP
     gathers of the experts, and get nothing. Parameters must be up to date
-    (``model.sync_params``)."""
+    (``model.sync_params``) and on the device (``offload.require_resident``)."""
+    require_resident(model, "the weight export")
     dense_part = ctx.dp_rank == 0 and ctx.cp_rank == 0
     expert_part = ctx.dims.ep > 1 and _expert_dp_rank(ctx) == 0
     for layer, params in stage_units(model, cfg, ctx):
