@@ -415,8 +415,10 @@ class RolloutConfig:
                 "rollout.placement: colocated with rollout.engines.router_url: each engine "
                 "is put to sleep and woken by the trainer, not through a router"
             )
-        if self.engines.type == "sglang" and self.engines.launch_command and (
-            self.engines.num_servers != 1
+        if (
+            self.engines.type == "sglang"
+            and self.engines.launch_command
+            and (self.engines.num_servers != 1)
         ):
             raise ValueError(
                 "rollout.placement: colocated launches one engine per rollout.colocate."

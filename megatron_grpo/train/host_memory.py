@@ -85,10 +85,11 @@ def available_bytes(meminfo: str = "/proc/meminfo") -> int:
 
 
 def check_host_memory(
-    offload_bytes: int, parts: Sequence[str], headroom_gib: float, group: dist.ProcessGroup
+    offload_bytes: int, parts: Sequence[str], headroom_gib: float, group: dist.ProcessGroup | None
 ) -> None:
     """Raise :class:`HostMemoryError` on every rank of ``group`` (all of them: the world)
-    when some node cannot take what its ranks offload. Collective over ``group``."""
+    when some node cannot take what its ranks offload. Collective over ``group`` (None: the
+    world)."""
     mine = RankReport(dist.get_rank(), socket.gethostname(), offload_bytes, available_bytes())
     reports: list[RankReport | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(reports, mine, group=group)

@@ -3,6 +3,8 @@
 Every rank runs this. Generation, scoring and the data cursor live on global
 rank 0, which broadcasts each step's training samples; the train step and
 the weight push (every pipeline stage sends its own layers) are collective.
+With ``rollout.placement: colocated`` the learner and the engines take turns on the same
+GPUs (``train.colocation``), and a step's checkpoint is written before its weight push.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from megatron_grpo.rollout.parts import RolloutParts, RolloutSettings
 from megatron_grpo.rollout.producer import ProducerSpec, RolloutProducer
 from megatron_grpo.train import gates, run_start, save_hf, sources
 from megatron_grpo.train import state as train_state
+from megatron_grpo.train.colocation import LEARNER_AFTER_PUSH, LEARNER_BEFORE_PUSH, Colocation
 from megatron_grpo.train.main_wait import MainRankWork
 from megatron_grpo.train.run_lock import HELD_ENV, RunLock, RunLockedError
 from megatron_grpo.train.step import StepSettings, train_on_rollout
@@ -80,10 +83,19 @@ def _train(cfg: Config, ctx, start: run_start.RunStart) -> None:
     main_work = MainRankWork(
         is_main=ctx.is_main, world_size=ctx.world_size, stall_s=cfg.train.collective_timeout_s
     )
-    rollout = None
+    rollout, colocation = None, None
     if cfg.rollout.replay_dir is None:
+        if cfg.rollout.placement == "colocated":
+            colocation = _colocation(cfg, model, optimizer, ctx)
         rollout = _RolloutSide(
-            cfg, inputs, ctx, model, extra, start_step=start_step, main_work=main_work
+            cfg,
+            inputs,
+            ctx,
+            model,
+            extra,
+            start_step=start_step,
+            main_work=main_work,
+            colocation=colocation,
         )
     settings = step_settings(cfg)
     logger = MetricsLogger(
@@ -105,10 +117,25 @@ def _train(cfg: Config, ctx, start: run_start.RunStart) -> None:
         if start_step == 0 and (initial := evaluate(0)):
             logger.log(0, namespaced("eval", initial))
         freeze_startup_objects()
+
+        def save(step: int) -> None:
+            nonlocal extra
+            last = step == cfg.train.total_steps
+            if last or (cfg.train.save_interval and step % cfg.train.save_interval == 0):
+                extra = broadcast_object(rollout.state(step) if rollout else {}, ctx)
+                train_state.save(out, step, model=model, optimizer=optimizer,
+                                 scheduler=scheduler, ctx=ctx, extra=extra,
+                                 keep_last=cfg.train.keep_last)  # fmt: skip
+            if save_hf.due(cfg.train, step):
+                save_hf.save_hf(model, cfg, ctx, step)
+
         for step in range(start_step + 1, cfg.train.total_steps + 1):
             t0 = time.perf_counter()
             batch = _step_batch(cfg, ctx, rollout, main_work, step)
             t1 = time.perf_counter()
+            if colocation is not None:
+                colocation.step = step
+                colocation.learner_in()
             gate = None  # replayed samples: another run's engines made them
             if rollout is not None:
                 first, resumed = step == start_step + 1, start_step > 0
@@ -125,6 +152,9 @@ def _train(cfg: Config, ctx, start: run_start.RunStart) -> None:
                 gate=gate,
             )
             t2 = time.perf_counter()
+            if colocation is not None:  # the learner is whole until the push: save it now
+                sync_params(model)
+                save(step)
             # Weight sync and checkpoints read the full parameters: the push brings them up
             # to date first (model.sync_params), once.
             if rollout is not None:
@@ -142,14 +172,8 @@ def _train(cfg: Config, ctx, start: run_start.RunStart) -> None:
                     **namespaced("eval", evaluate(step) or {}),
                 },
             )
-            last = step == cfg.train.total_steps
-            if last or (cfg.train.save_interval and step % cfg.train.save_interval == 0):
-                extra = broadcast_object(rollout.state(step) if rollout else {}, ctx)
-                train_state.save(out, step, model=model, optimizer=optimizer,
-                                 scheduler=scheduler, ctx=ctx, extra=extra,
-                                 keep_last=cfg.train.keep_last)  # fmt: skip
-            if save_hf.due(cfg.train, step):
-                save_hf.save_hf(model, cfg, ctx, step)
+            if colocation is None:
+                save(step)
     except BaseException:  # the engines stop and no request is left running; the error stays
         with contextlib.suppress(Exception):
             _close(logger, rollout)
@@ -194,6 +218,25 @@ def _learner(cfg: Config, inputs: sources.RunInputs, ctx) -> tuple[list, Any, An
         ref_model = build_model(cfg.model, ctx, wrap_ddp=False)
         sources.load_initial_weights(ref_model, inputs, cfg.model, ctx)
     return model, optimizer, scheduler, ref_model
+
+
+def _colocation(cfg: Config, model: list, optimizer, ctx) -> Colocation:
+    """``rollout.placement: colocated``: the learner's offload, checked against the nodes'
+    host memory (refused at start when it cannot fit), and its first turn out: optimizer
+    states and gradients go to host before the engines start."""
+    import torch.distributed as dist
+
+    from megatron_grpo.mcore.offload import LearnerOffload
+    from megatron_grpo.train.host_memory import check_host_memory
+
+    colocate = cfg.rollout.colocate
+    offload = LearnerOffload(model, optimizer, colocate.offload)
+    check_host_memory(
+        offload.host_bytes(), colocate.offload, colocate.host_memory_headroom_gib, dist.group.WORLD
+    )
+    colocation = Colocation(colocate, offload, is_main=ctx.is_main)
+    colocation.learner_out(LEARNER_BEFORE_PUSH)
+    return colocation
 
 
 def _step_batch(cfg: Config, ctx, rollout: _RolloutSide | None, main_work, step: int):
@@ -253,11 +296,18 @@ class _RolloutSide:
         *,
         start_step: int,
         main_work: MainRankWork,
+        colocation: Colocation | None = None,
     ) -> None:
         self.cfg, self.inputs, self.ctx = cfg, inputs, ctx
+        self.main_work, self.colocation = main_work, colocation
         self.runtime: Any = None
         # Starting or attaching to the engines may take minutes: not inside a collective.
         main_work.run("engine start", lambda: self._start(cfg, extra, start_step))
+        if colocation is not None:
+            main_work.run(
+                "release of the engines' memory",
+                lambda: colocation.engines_started(self.runtime),
+            )
         self.weight_push = WeightPush(cfg.model, cfg.rollout, ctx)  # collective
         # The engines load their weights elsewhere (a random embedded model, a server's
         # model path, which need not be the policy's: a Megatron train.init, a resumed
@@ -315,11 +365,22 @@ class _RolloutSide:
             return None
         if self.producer is not None:
             return self.producer.get(step)
-        return self.parts.collect(step, self.runtime)
+        batch = self.parts.collect(step, self.runtime)
+        if self.colocation is not None:
+            self.colocation.release_engines()
+        return batch
 
     def sync(self, model: list, step: int) -> None:
         """Push the policy to the engines as weight version ``step``. Collective."""
+        colocation = self.colocation
+        if colocation is not None:
+            colocation.step = step
+            colocation.learner_out(LEARNER_BEFORE_PUSH)
+            self.main_work.run("wake-up of the engines' weights", colocation.resume_weights)
         self.weight_push(model, str(step), self.runtime)
+        if colocation is not None:
+            colocation.learner_out(LEARNER_AFTER_PUSH)
+            self.main_work.run("wake-up of the engines' KV cache", colocation.resume_kv_cache)
         if self.producer is not None:
             self.producer.weights_pushed(step)
 
