@@ -10,11 +10,19 @@ the round's longest sequence.
 Control, with SGLang's meaning:
 - ``abort(rid)`` / ``abort(abort_all=True)``: queued or running sequences
   finish with type ``abort`` and whatever they had generated.
-- ``pause(abort_running=True)`` (SGLang's ``abort`` mode) aborts everything,
-  ``pause(abort_running=False)`` (``in_place``/``retract``) freezes running
-  sequences between two tokens; either way nothing new starts until ``resume``.
+- ``pause(abort_running=True)`` (SGLang's ``abort`` mode) aborts everything and returns
+  once the aborted sequences have their answers; ``pause(abort_running=False)``
+  (``in_place``/``retract``) freezes running sequences between two tokens; either way
+  nothing new starts until ``resume``.
 - ``update_weights`` waits for the running round to finish (or to be paused)
   and keeps new rounds from starting meanwhile, like SGLang's model-update lock.
+- ``release_memory(tags)`` (``/release_memory_occupation``, ``sglang_api.memory``) only
+  while no sequence runs and none is queued unless paused, as SGLang asks: ``weights``
+  frees the parameters (``parameter_memory.py``); ``kv_cache`` and ``cuda_graph`` hold
+  nothing here between rounds (a round's KV cache lives and dies with it, and there are
+  no CUDA graphs), so they only return freed memory to the system and are recorded.
+  While any tag is released nothing is admitted or started (``MemoryReleased``), and
+  while ``weights`` is, no update lands; ``resume_memory(tags)`` gives them back.
 """
 
 from __future__ import annotations
@@ -32,12 +40,34 @@ import torch
 from transformers import PreTrainedModel
 
 from megatron_grpo.embedded.decode import Completion, SequenceSpec, generate_batch
+from megatron_grpo.embedded.parameter_memory import (
+    ReleasedParameters,
+    release_parameters,
+    return_freed_memory,
+)
+from megatron_grpo.sglang_api.memory import ALL_TAGS, RELEASE_PATH, RESUME_PATH, WEIGHTS
 from megatron_grpo.sglang_api.types import FinishReason, SamplingParams
 
 logger = logging.getLogger(__name__)
 
 _POLL_S = 0.05  # every wait is a loop of short waits, so shutdown is always noticed
 _MAX_WINDOWS = 20  # longest wait for a batch to fill, in batch windows
+
+
+class MemoryReleased(RuntimeError):
+    """Refused: memory the request needs is released (``/release_memory_occupation``)."""
+
+
+class MemoryStateError(ValueError):
+    """A release or resume that the engine's state does not allow; the message says why."""
+
+
+def released_message(what: str, tags: tuple[str, ...]) -> str:
+    """Why ``what`` is refused while ``tags`` are released."""
+    return (
+        f"{what} refused: the engine's {' and '.join(tags)} memory is released "
+        f"({RELEASE_PATH}); {RESUME_PATH} first"
+    )
 
 
 @dataclass(frozen=True)
@@ -96,6 +126,9 @@ class GenerationEngine:
         self._paused = False
         self._stopping = False
         self._updates_waiting = 0
+        self._released: set[str] = set()  # memory tags released
+        self._released_params: ReleasedParameters | None = None
+        self._memory_lock = threading.Lock()  # one release or resume at a time
         # Held by the worker while a round runs, except while paused: a weight
         # update takes it, so it never lands in the middle of a forward.
         self._model_lock = threading.Lock()
@@ -122,6 +155,12 @@ class GenerationEngine:
         with self._cond:
             return self._paused
 
+    @property
+    def released_tags(self) -> tuple[str, ...]:
+        """The memory tags released, in ``ALL_TAGS`` order."""
+        with self._cond:
+            return tuple(t for t in ALL_TAGS if t in self._released)
+
     def submit(
         self,
         rid: str,
@@ -135,6 +174,8 @@ class GenerationEngine:
         with self._cond:
             if self._stopping:
                 raise RuntimeError("the generation engine is stopped")
+            if self._released:
+                raise MemoryReleased(released_message("generation", self.released_tags))
             seed = sampling.seed if sampling.seed is not None else self._seeds.getrandbits(63)
             spec = SequenceSpec(prompt_ids, sampling, seed, return_routed_experts)
             job = _Job(rid=rid, spec=spec)
@@ -157,11 +198,16 @@ class GenerationEngine:
             return count
 
     def pause(self, *, abort_running: bool) -> None:
+        """With ``abort_running`` this returns once the aborted sequences have their answer,
+        as SGLang's ``abort`` mode does (a release may follow at once)."""
         with self._cond:
             self._paused = True
             self._cond.notify_all()
         if abort_running:
             self.abort(abort_all=True, message="Aborted by pause_generation")
+            with self._cond:
+                while not self._stopping and any(not j.future.done() for j in self._running):
+                    self._cond.wait(timeout=_POLL_S)
 
     def resume(self) -> None:
         with self._cond:
@@ -185,6 +231,8 @@ class GenerationEngine:
                     "pause_generation first to update weights at once"
                 )
             try:
+                if WEIGHTS in self._released:
+                    raise MemoryReleased(released_message("a weight update", (WEIGHTS,)))
                 with torch.inference_mode():
                     apply(self.model)
                 if weight_version is not None:
@@ -194,6 +242,61 @@ class GenerationEngine:
         finally:
             with self._cond:
                 self._updates_waiting -= 1
+                self._cond.notify_all()
+
+    def release_memory(self, tags: tuple[str, ...], *, timeout_s: float) -> None:
+        """Free the memory of ``tags`` (known tags, ``sglang_api.memory.memory_tags``);
+        returns once it is freed. MemoryStateError if one is released already, or while a
+        sequence runs or (unless paused) waits; TimeoutError if a weight update holds the
+        model longer than ``timeout_s``."""
+        with self._memory_lock:
+            with self._cond:
+                again = [t for t in tags if t in self._released]
+                if again:
+                    raise MemoryStateError(
+                        f"{RELEASE_PATH}: {' and '.join(again)} already released; "
+                        f"{RESUME_PATH} first"
+                    )
+                running = sum(not job.future.done() for job in self._running)
+                queued = 0 if self._paused else len(self._queue)
+                if running or queued:
+                    raise MemoryStateError(
+                        f"{RELEASE_PATH} while {running} sequence(s) run and {queued} wait "
+                        "(SGLang asks for an idle engine): pause_generation first"
+                    )
+                self._released.update(tags)  # from here no round starts
+                self._cond.notify_all()
+            if WEIGHTS not in tags:
+                return_freed_memory()
+                return
+            if not self._model_lock.acquire(timeout=timeout_s):
+                with self._cond:
+                    self._released.difference_update(tags)
+                    self._cond.notify_all()
+                raise TimeoutError(f"a weight update held the model for longer than {timeout_s} s")
+            try:
+                self._released_params = release_parameters(self.model)
+            finally:
+                self._model_lock.release()
+
+    def resume_memory(self, tags: tuple[str, ...]) -> None:
+        """Take back the memory of ``tags``: resumed weights are zeros until the next weight
+        update. MemoryStateError if one of them is not released."""
+        with self._memory_lock:
+            with self._cond:
+                awake = [t for t in tags if t not in self._released]
+                if awake:
+                    raise MemoryStateError(
+                        f"{RESUME_PATH}: {' and '.join(awake)} not released (released: "
+                        f"{', '.join(self.released_tags) or 'none'})"
+                    )
+            if WEIGHTS in tags:
+                assert self._released_params is not None
+                with self._model_lock:
+                    self._released_params.resume()
+                self._released_params = None
+            with self._cond:
+                self._released.difference_update(tags)
                 self._cond.notify_all()
 
     def stop(self, timeout_s: float = 10.0) -> None:
@@ -214,7 +317,9 @@ class GenerationEngine:
     def _next_round(self) -> list[_Job] | None:
         """Wait for work (None once stopping) and take it as the running round."""
         with self._cond:
-            while not self._stopping and (self._paused or self._updates_waiting or not self._queue):
+            while not self._stopping and (
+                self._paused or self._released or self._updates_waiting or not self._queue
+            ):
                 self._cond.wait(timeout=_POLL_S)
             # The samples of a rollout arrive one HTTP request at a time: keep
             # collecting while they keep coming (each within batch_window_s of

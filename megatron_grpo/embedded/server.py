@@ -14,6 +14,9 @@ Differences from SGLang worth knowing:
 - ``/update_weights_from_tensor`` takes a safetensors body (``weights.py``), and the
   distributed update joins gloo groups only (``weight_routes.py``);
 - ``/health_generate`` answers 200 while paused instead of timing out;
+- ``/release_memory_occupation`` frees the weights for real and refuses by name what SGLang
+  would crash on, generation and weight updates into released memory among them
+  (``memory_routes.py``);
 - ``return_routed_experts`` needs no server flag (a model without MoE layers gets 400),
   and ``routed_experts_start_len`` is not implemented (400 unless 0).
 
@@ -45,6 +48,7 @@ from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from megatron_grpo.embedded.auth import api_key_middleware, check_api_key
 from megatron_grpo.embedded.engine import Finished, GenerationEngine
+from megatron_grpo.embedded.memory_routes import MemoryRoutes
 from megatron_grpo.embedded.protocol import (
     BadRequest,
     GenerateItem,
@@ -93,7 +97,9 @@ class _Server:
 
     def app(self, api_key: str | None = None) -> web.Application:
         """The routes; with ``api_key``, answered only to requests that carry it."""
+        memory = MemoryRoutes(self.engine, timeout_s=self.weight_update_timeout_s)
         middlewares = [] if api_key is None else [api_key_middleware(api_key)]
+        middlewares.append(memory.refuse_while_released)
         # client_max_size: tensor updates are large
         app = web.Application(client_max_size=1 << 31, middlewares=middlewares)
         app.router.add_route("POST", "/generate", self.generate)
@@ -109,6 +115,7 @@ class _Server:
         app.router.add_post("/update_weights_from_disk", self.update_weights_from_disk)
         app.router.add_post("/update_weights_from_tensor", self.update_weights_from_tensor)
         WeightRoutes(self.engine, self._update, timeout_s=self.weight_update_timeout_s).add_to(app)
+        memory.add_to(app)
         for path in ("/model_info", "/get_model_info"):
             app.router.add_get(path, self.model_info)
         for path in ("/server_info", "/get_server_info"):
@@ -199,8 +206,8 @@ class _Server:
         return web.Response(status=200)
 
     async def health_generate(self, request: web.Request) -> web.Response:
-        # Busy or paused means alive; otherwise prove it by generating one token.
-        if self.engine.paused or self.engine.num_running > 0:
+        # Busy, paused or asleep means alive; otherwise prove it by generating one token.
+        if self.engine.paused or self.engine.released_tags or self.engine.num_running > 0:
             return web.Response(status=200)
         greedy_one = SamplingParams(max_new_tokens=1, temperature=0.0)
         rid = f"HEALTH_CHECK_{uuid.uuid4().hex}"
@@ -226,7 +233,8 @@ class _Server:
         mode = (await json_object(request)).get("mode", "abort")
         if mode not in ("abort", "retract", "in_place"):
             return web.json_response({"error": f"unknown pause mode {mode!r}"}, status=400)
-        self.engine.pause(abort_running=mode == "abort")
+        pause = functools.partial(self.engine.pause, abort_running=mode == "abort")
+        await asyncio.get_running_loop().run_in_executor(None, pause)
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def continue_generation(self, request: web.Request) -> web.Response:
@@ -347,6 +355,7 @@ class _Server:
                 "device": "cpu",
                 "hostname": socket.gethostname(),
                 "max_batch_size": self.engine.max_batch_size,
+                "released_memory": list(self.engine.released_tags),
             }
         )
 

@@ -1,5 +1,5 @@
 """The connection to a set of SGLang servers (or embedded ones) and the calls that are
-not generation: health, cache, pause, weight updates, info.
+not generation: health, cache, pause, memory release and resume, weight updates, info.
 
 A call goes to one server or, fanned out, to every server in use at once; it is not
 retried, and it waits at most ``control_timeout_s`` (``weight_update_timeout_s`` for
@@ -23,6 +23,7 @@ from megatron_grpo.sglang_api.errors import (
     RolloutTimeoutError,
     ServerUnavailableError,
 )
+from megatron_grpo.sglang_api.memory import RELEASE_PATH, RESUME_PATH, memory_body
 
 PauseMode = Literal["abort", "retract", "in_place"]
 
@@ -88,6 +89,20 @@ class EngineCalls:
 
     async def continue_generation(self) -> None:
         await self._fan_out("POST", "/continue_generation", {})
+
+    # ---- memory (colocated placement) ----
+
+    async def release_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
+        """Every server frees the memory of ``tags`` (None: all; ``sglang_api.memory``) and
+        answers once it is freed. No request may be running: pause generation first."""
+        body = memory_body(tags)
+        await self._fan_out("POST", RELEASE_PATH, body)
+
+    async def resume_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
+        """Every server takes back the memory of ``tags`` (None: all); resumed weights hold
+        nothing meaningful until the next weight update."""
+        body = memory_body(tags)
+        await self._fan_out("POST", RESUME_PATH, body)
 
     # ---- weights ----
 
