@@ -23,10 +23,10 @@ from megatron_grpo.commands.memory_model import (
     routes_bytes,
     stage_memory,
     stage_params,
-    total_params,
     weight_push_bytes,
 )
 from megatron_grpo.config import Config
+from megatron_grpo.config.param_count import total_params
 from megatron_grpo.train.preflight import check_layout
 
 # --------------------------------------------------------------------------- the report

@@ -20,6 +20,10 @@ from megatron_grpo.rollout.servers import (
 
 ROUTED_EXPERTS_FLAG = "--enable-return-routed-experts"
 """SGLang's server flag without which a request's ``return_routed_experts`` is refused."""
+GIB = 2**30
+ENGINE_WEIGHT_BYTES = 2
+"""An engine's weights per parameter: bf16 (the recipes launch SGLang with ``--dtype
+bfloat16``)."""
 
 
 @dataclass(frozen=True)
@@ -42,17 +46,57 @@ class ColocatedEngines:
         ]
 
 
+def engine_weight_bytes(num_params: int) -> int:
+    """bf16 weights of the whole model: what an engine's TP ranks share."""
+    return num_params * ENGINE_WEIGHT_BYTES
+
+
+def default_engine_tp(weight_bytes: float, gpus_per_node: int, pool_bytes: float) -> int:
+    """``rollout.colocate.engine_tp: null``: the smallest power of two dividing
+    ``gpus_per_node`` whose weight shard (``weight_bytes / tp``) takes at most half of an
+    engine's static pool (``mem_fraction_static`` x the GPU's memory), leaving the other half
+    at least for the KV cache. ValueError when even the largest such TP leaves too little."""
+    tp = 1
+    candidates = []
+    while tp <= gpus_per_node:
+        if gpus_per_node % tp == 0:
+            candidates.append(tp)
+            if weight_bytes / tp <= pool_bytes / 2:
+                return tp
+        tp *= 2
+    widest = candidates[-1]
+    raise ValueError(
+        f"rollout.colocate: the engine does not fit: at engine TP {widest} (the most that "
+        f"divides {gpus_per_node} GPUs per node) its weight shard is "
+        f"{weight_bytes / widest / GIB:.1f} GiB, more than half of its static pool "
+        f"({pool_bytes / GIB:.1f} GiB: rollout.colocate.mem_fraction_static x the GPU's "
+        "memory). Raise rollout.colocate.mem_fraction_static, or place the engines on GPUs "
+        "of their own (rollout.placement: disaggregated)"
+    )
+
+
+def check_engine_tp(tp: int, weight_bytes: float, gpus_per_node: int, pool_bytes: float) -> None:
+    """A configured ``rollout.colocate.engine_tp``: it must divide the node's GPUs, and its
+    weight shard must leave room for a KV cache in the static pool."""
+    if gpus_per_node % tp:
+        raise ValueError(
+            f"rollout.colocate.engine_tp={tp} does not divide the {gpus_per_node} GPUs per node"
+        )
+    if weight_bytes / tp >= pool_bytes:
+        raise ValueError(
+            f"rollout.colocate: the engine does not fit: at engine_tp={tp} its weight shard is "
+            f"{weight_bytes / tp / GIB:.1f} GiB, all of its static pool "
+            f"({pool_bytes / GIB:.1f} GiB) and more, leaving no KV cache. Raise "
+            "rollout.colocate.engine_tp or rollout.colocate.mem_fraction_static"
+        )
+
+
 def colocated_engines(cfg: RolloutConfig, model_cfg: ModelConfig) -> ColocatedEngines:
     """The engines to launch on this node's GPUs: ``rollout.colocate.engine_tp`` (or its
-    default for this GPU's memory, ``commands.colocated_memory``) GPUs each."""
+    default for this GPU's memory, ``default_engine_tp``) GPUs each."""
     import torch
 
-    from megatron_grpo.commands.colocated_memory import (
-        check_engine_tp,
-        default_engine_tp,
-        engine_weight_bytes,
-    )
-    from megatron_grpo.commands.memory_model import total_params
+    from megatron_grpo.config.param_count import total_params
 
     if not torch.cuda.is_available():
         raise ValueError(

@@ -29,7 +29,11 @@ from megatron_grpo.rollout.parts import RolloutParts, RolloutSettings
 from megatron_grpo.rollout.producer import ProducerSpec, RolloutProducer
 from megatron_grpo.train import gates, run_start, save_hf, sources
 from megatron_grpo.train import state as train_state
-from megatron_grpo.train.colocation import LEARNER_AFTER_PUSH, LEARNER_BEFORE_PUSH, Colocation
+from megatron_grpo.train.colocation import (
+    LEARNER_AFTER_PUSH,
+    LEARNER_BEFORE_PUSH,
+    Colocation,
+)
 from megatron_grpo.train.main_wait import MainRankWork
 from megatron_grpo.train.run_lock import HELD_ENV, RunLock, RunLockedError
 from megatron_grpo.train.step import StepSettings, train_on_rollout

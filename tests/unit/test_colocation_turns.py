@@ -41,7 +41,9 @@ class Engines:
         if name == self.hang:
             await asyncio.sleep(3600)
         if name == self.refuse:
-            raise RolloutHTTPError(url=f"http://e0/{name}_memory_occupation", status=400, body="nope")
+            raise RolloutHTTPError(
+                url=f"http://e0/{name}_memory_occupation", status=400, body="nope"
+            )
         self.log.append((name, tuple(tags)))
 
     async def release_memory_occupation(self, tags=None) -> None:

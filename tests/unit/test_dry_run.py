@@ -11,13 +11,12 @@ from megatron_grpo.commands.memory_model import (
     GIB,
     activation_bytes_per_token_layer,
     delta_copy_bytes,
-    layer_params,
     layers_in_flight,
     routes_bytes,
     stage_params,
-    total_params,
 )
 from megatron_grpo.config import ParallelDims, load_config
+from megatron_grpo.config.param_count import layer_params, total_params
 
 ROOT = Path(__file__).resolve().parents[2]
 HF_CONFIGS = ROOT / "tests" / "fixtures" / "hf_configs"

@@ -18,10 +18,10 @@ import pytest
 
 from megatron_grpo import cli
 from megatron_grpo.commands.dry_run import dry_run, resolve_world_size
-from megatron_grpo.commands.memory_model import total_params
 from megatron_grpo.config import dump_config, load_config
 from megatron_grpo.config.hf import check_family, family_of, get_family, read_hf_config
 from megatron_grpo.config.init_model import MODEL_CONFIG_FILE
+from megatron_grpo.config.param_count import total_params
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
