@@ -135,10 +135,11 @@ def _train(cfg: Config, ctx, start: run_start.RunStart) -> None:
 
         for step in range(start_step + 1, cfg.train.total_steps + 1):
             t0 = time.perf_counter()
+            if colocation is not None:
+                colocation.step = step
             batch = _step_batch(cfg, ctx, rollout, main_work, step)
             t1 = time.perf_counter()
             if colocation is not None:
-                colocation.step = step
                 colocation.learner_in()
             gate = None  # replayed samples: another run's engines made them
             if rollout is not None:

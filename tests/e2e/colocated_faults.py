@@ -5,8 +5,8 @@ step 2; prints the error the run stopped with as its last line, ``ERROR <type>: 
 
 Faults, on the embedded engine's own process:
 - ``release_hangs``: it is frozen (SIGSTOP) just before its memory is released;
-- ``resume_refused``: its address space is capped (RLIMIT_AS) at what it holds asleep, just
-  before its weights are resumed, so it cannot take them back;
+- ``resume_refused``: another client resumes its weights just before the trainer does, so
+  the engine refuses the trainer's resume (the weights are not released);
 - ``push_asleep``: its weights are not resumed before the push (the trainer's wake-up is
   skipped), so the push reaches an engine asleep;
 - ``none``: no fault (a resumed run).
@@ -14,10 +14,11 @@ Faults, on the embedded engine's own process:
 
 from __future__ import annotations
 
+import json
 import os
-import resource
 import signal
 import sys
+import urllib.request
 from pathlib import Path
 
 from megatron_grpo import train
@@ -43,13 +44,6 @@ def engine_pids() -> list[int]:
     return pids
 
 
-def vm_size(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmSize:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError(f"no VmSize for {pid}")
-
-
 def inject(fault: str) -> None:
     cls = colocation.Colocation
     release, resume = cls.release_engines, cls.resume_weights
@@ -66,11 +60,11 @@ def inject(fault: str) -> None:
             for pid in pids:
                 os.kill(pid, signal.SIGCONT)
 
-    def capped_resume(self) -> None:
+    def resumed_behind(self) -> None:
         if self.step == FAULT_STEP:
-            for pid in engine_pids():
-                cap = vm_size(pid) + (16 << 20)
-                resource.prlimit(pid, resource.RLIMIT_AS, (cap, cap))
+            for url in self.runtime.weight_client.urls:
+                body = json.dumps({"tags": ["weights"]}).encode()
+                urllib.request.urlopen(f"{url}/resume_memory_occupation", body, timeout=30)
         resume(self)
 
     def skipped_resume(self) -> None:
@@ -81,7 +75,7 @@ def inject(fault: str) -> None:
         return
     patch = {
         "release_hangs": ("release_engines", frozen_release),
-        "resume_refused": ("resume_weights", capped_resume),
+        "resume_refused": ("resume_weights", resumed_behind),
         "push_asleep": ("resume_weights", skipped_resume),
     }[fault]
     setattr(cls, *patch)

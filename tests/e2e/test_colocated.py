@@ -24,7 +24,7 @@ SAME = (
     "train/loss",
     "train/grad_norm",
     "train/entropy",
-    "train/logprob_abs_diff_mean",
+    "train/logprob_mismatch",
 )
 
 
@@ -67,9 +67,14 @@ def test_a_refused_resume_stops_the_run_and_the_run_resumes(assets, tmp_path):
     error = run_fault("resume_refused", assets, out)
     assert error.startswith(
         "ERROR ColocationError: rollout.placement: colocated: resume the engines' weights at "
-        "step 2 failed: "
+        "step 2 failed: RolloutHTTPError: "
     ), error
-    # Step 2 trained before the push failed, and was saved; the run takes up from there.
+    assert error.endswith(
+        '/resume_memory_occupation answered HTTP 400: {"error": {"message": '
+        '"/resume_memory_occupation: weights not released (released: kv_cache)"}}; '
+        "the run stops here"
+    ), error
+    # Step 2 trained and was saved before its push; the run takes up from there.
     assert latest_checkpoint(out).name.endswith("2")
     assert run_fault("none", assets, out, returncode=0) == "DONE"
     assert latest_checkpoint(out).name.endswith("3")
@@ -77,4 +82,10 @@ def test_a_refused_resume_stops_the_run_and_the_run_resumes(assets, tmp_path):
 
 def test_a_push_into_an_engine_asleep_is_refused_by_name(assets, tmp_path):
     error = run_fault("push_asleep", assets, tmp_path / "run")
-    assert "release" in error and "asleep" in error or "released" in error, error
+    assert error.startswith("ERROR RolloutError: weight sync failed: stage 0: RolloutHTTPError: ")
+    assert error.endswith(
+        '/update_weights_from_tensor answered HTTP 400: {"error": {"message": '
+        "\"/update_weights_from_tensor refused: the engine's weights memory is released "
+        '(/release_memory_occupation); /resume_memory_occupation first"}}'
+    ), error
+    assert latest_checkpoint(tmp_path / "run").name.endswith("2")
