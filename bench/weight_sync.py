@@ -1,8 +1,12 @@
-"""Weight push to the embedded server vs a plain safetensors save of the same weights.
+"""Weight push to the embedded server: against a plain safetensors save, delta against full
+after one RL step, and measured against the dry run's predicted push time.
 
-    python bench/weight_sync.py                 # DP2 x TP2 x PP2 (8 gloo processes), ~360 MB
+    python bench/weight_sync.py                 # DP2 x TP2 x PP2 (8 gloo processes), ~650 MB
     python bench/weight_sync.py --layout 1x2x2
     python bench/weight_sync.py --quick
+    python bench/weight_sync.py --delta         # delta vs full pushes after one RL step
+    python bench/weight_sync.py --delta --body  # full pushes as an engine on another host gets them
+    python bench/weight_sync.py --sizes         # measured vs predicted push time, three sizes
 
 One push is what the trainer does after each step (``weight_sync.push.WeightPush``,
 ``rollout.sync.method=tensor``): every pipeline stage's sender gathers its layers over TP, a layer
@@ -17,6 +21,20 @@ learner rank and of the server process counted; push MB/s; and each rank's peak 
 memory growth during a push (sampled every millisecond, glibc told to return freed memory),
 against ``memory_model.weight_push_bytes``. The last push is read back from the server
 (``rollout.sync.check``).
+
+``--delta`` (``rollout.sync.delta``): the CPU demo (``examples/cpu_demo/grpo.yaml``, two
+processes) trains one RL step from its warmed-up model and exports the result
+(``train.save_hf_interval``); the weights before and after that step are then pushed, in turn,
+by a stage's sender (``StageSender``) to two embedded servers (in this process, on threads of
+their own), one fed full pushes and one deltas, in alternating order, each push after the
+first a delta of one RL step. Per dtype sent (fp32, the trainer's; bf16, the same weights
+cast): bytes of tensor data a delta push sends / a full push's, and delta / full push time
+(wall and CPU, the servers' included). Full pushes go through shared memory, as to an
+engine on the same host; with ``--body`` as a safetensors request body, as to one on another.
+
+``--sizes``: one stage (layout 1x1x1) pushes models of three sizes; the measured push time
+(wall median) is printed beside ``commands.push_time.predict_push``'s for the same model and
+settings, and their ratio.
 """
 
 from __future__ import annotations
@@ -48,21 +66,27 @@ from megatron_grpo.testing.memory import MALLOC_ENV, ResidentPeak
 BUCKET_MB = 64
 
 
-def model_config(quick: bool):
+SIZES = {
+    "small": dict(num_layers=2, hidden_size=256, ffn_hidden_size=768, vocab_size=8000),
+    "mid": dict(num_layers=4, hidden_size=512, ffn_hidden_size=1536, vocab_size=16000),
+    "default": dict(num_layers=8, hidden_size=1024, ffn_hidden_size=3072, vocab_size=32000),
+}
+"""Qwen3-shaped models of 23, 116 and 648 MB in fp32 (``--sizes``; the default is the last)."""
+
+
+def model_config(quick: bool, size: str = "default"):
     from megatron_grpo.config import ModelConfig
 
     if quick:
         return tiny_model(vocab_size=500, make_vocab_size_divisible_by=8, qk_layernorm=True)
+    shape = SIZES[size]
     return ModelConfig(
-        num_layers=8,
-        hidden_size=1024,
-        ffn_hidden_size=3072,
-        num_attention_heads=16,
-        num_query_groups=4,
-        vocab_size=32000,
+        num_attention_heads=shape["hidden_size"] // 64,
+        num_query_groups=4 if shape["hidden_size"] > 256 else 2,
         make_vocab_size_divisible_by=128,
         max_position_embeddings=512,
         qk_layernorm=True,
+        **shape,
     )
 
 
@@ -206,27 +230,15 @@ def report(out: dict, layout) -> dict:
     return {"push_vs_safetensors": ratio, "push_mb_per_s_wall": summary(mb_per_s), "mb": mb}
 
 
-def main() -> None:
-    p = parser(__doc__)
-    p.add_argument("--layout", help="DPxTPxPP of the learner (default 2x2x2; 1x1x2 with --quick)")
-    p.add_argument("--repeats", type=int)
-    p.add_argument("--warmup", type=int)
-    p.add_argument("--timeout", type=float, help="seconds per launch (default 900)")
-    args = p.parse_args()
-
-    from megatron_grpo.commands.invariance import Layout
-
-    layout = Layout.parse(args.layout or ("1x1x2" if args.quick else "2x2x2"))
-    repeats = args.repeats or (2 if args.quick else 6)
-    warmup = args.warmup if args.warmup is not None else (0 if args.quick else 1)
-    model_cfg = model_config(args.quick)
+def measure_push(model_cfg, layout, *, repeats: int, warmup: int, timeout: float) -> dict:
+    """``worker`` on every rank of ``layout``, with the embedded server in its own process."""
     with tempfile.TemporaryDirectory(prefix="mgrpo_bench_sync_") as tmp:
         server, url = start_server(model_cfg, Path(tmp) / "hf")
         try:
-            out = run_at_layout(
+            return run_at_layout(
                 __file__,
                 layout,
-                timeout=args.timeout or 900.0,
+                timeout=timeout,
                 env=MALLOC_ENV,
                 model_cfg=model_cfg,
                 url=url,
@@ -237,6 +249,21 @@ def main() -> None:
         finally:
             server.terminate()
             server.wait(timeout=60)
+
+
+# --------------------------------------------------------------------------- push vs save
+
+
+def push_vs_save(args) -> None:
+    from megatron_grpo.commands.invariance import Layout
+
+    layout = Layout.parse(args.layout or ("1x1x2" if args.quick else "2x2x2"))
+    repeats = args.repeats or (2 if args.quick else 6)
+    warmup = args.warmup if args.warmup is not None else (0 if args.quick else 1)
+    model_cfg = model_config(args.quick)
+    out = measure_push(
+        model_cfg, layout, repeats=repeats, warmup=warmup, timeout=args.timeout or 900.0
+    )
     summary_ = report(out, layout)
     write_result(
         "weight_sync",
@@ -254,6 +281,110 @@ def main() -> None:
             "repeats": repeats,
         },
     )
+
+
+# --------------------------------------------------------------------------- --sizes
+
+
+def measured_vs_predicted(args) -> None:
+    """One stage's push at three sizes, against ``commands.push_time.predict_push``."""
+    from megatron_grpo.commands.invariance import Layout
+    from megatron_grpo.commands.push_time import predict_push
+    from megatron_grpo.config import ParallelDims
+
+    layout = Layout.parse("1x1x1")
+    repeats = args.repeats or (2 if args.quick else 5)
+    warmup = args.warmup if args.warmup is not None else 1
+    sizes = ["small"] if args.quick else list(SIZES)
+    rows = {}
+    for size in sizes:
+        model_cfg = model_config(False, size)
+        out = measure_push(
+            model_cfg, layout, repeats=repeats, warmup=warmup, timeout=args.timeout or 900.0
+        )
+        walls = [t.wall for t in out["times"]["push"]]
+        predicted = predict_push(
+            model_cfg, ParallelDims(), method="tensor", bucket_mb=BUCKET_MB, engine_type="embedded"
+        ).seconds
+        ratio = Ratio.of(
+            f"{size} ({out['bytes'] / 1e6:.1f} MB) measured/predicted push",
+            [w / predicted for w in walls],
+        )
+        print(ratio.line())
+        print(
+            f"  {size}: {out['num_tensors']} tensors, measured {summary(walls)['median']:.3f} s "
+            f"(wall median), predicted {predicted:.3f} s"
+        )
+        rows[size] = {
+            "megabytes": out["bytes"] / 1e6,
+            "num_tensors": out["num_tensors"],
+            "measured_wall_s": summary(walls),
+            "measured_cpu_s": summary([t.cpu for t in out["times"]["push_with_server"]]),
+            "predicted_s": predicted,
+            "measured_over_predicted": ratio,
+        }
+    write_result(
+        "weight_sync_sizes",
+        args.out,
+        {"quick": args.quick, "layout": str(layout), "repeats": repeats, "sizes": rows},
+    )
+
+
+# --------------------------------------------------------------------------- --delta
+
+
+def delta_vs_full(args) -> None:
+    """Delta and full pushes of the CPU demo's weights before and after one RL step."""
+    import torch
+    from _delta_push import compare, hf_weights, rl_step
+    from transformers import AutoConfig
+
+    if args.body:
+        from megatron_grpo.embedded import weights
+
+        weights.shared_memory_available = lambda: False  # type: ignore[assignment]
+    repeats = args.repeats or (2 if args.quick else 8)
+    with tempfile.TemporaryDirectory(prefix="mgrpo_bench_delta_") as tmp:
+        before, after = rl_step(Path(args.assets), Path(tmp) / "run")
+        models = [hf_weights(before), hf_weights(after)]
+        config = AutoConfig.from_pretrained(before)
+    results = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        out = compare(config, models, dtype, repeats)
+        for key in ("bytes", "wall", "cpu"):
+            print(out[key].line())
+        print(
+            f"  {out['bytes_full'] / 1e6:.3f} MB full; push wall median full "
+            f"{out['full_wall_s']['median'] * 1e3:.1f} ms, "
+            f"delta {out['delta_wall_s']['median'] * 1e3:.1f} ms"
+        )
+        results[str(dtype).removeprefix("torch.")] = out
+    write_result(
+        "weight_sync_delta",
+        args.out,
+        {"quick": args.quick, "body": args.body, "repeats": repeats, **results},
+    )
+
+
+def main() -> None:
+    p = parser(__doc__)
+    p.add_argument("--layout", help="DPxTPxPP of the learner (default 2x2x2; 1x1x2 with --quick)")
+    p.add_argument("--repeats", type=int)
+    p.add_argument("--warmup", type=int)
+    p.add_argument("--timeout", type=float, help="seconds per launch (default 900)")
+    p.add_argument("--delta", action="store_true", help="delta vs full pushes after an RL step")
+    p.add_argument("--body", action="store_true", help="--delta: full pushes as a request body")
+    p.add_argument(
+        "--assets", default="runs/cpu_demo/assets", help="--delta: the CPU demo's assets"
+    )
+    p.add_argument("--sizes", action="store_true", help="measured vs predicted push time")
+    args = p.parse_args()
+    if args.delta:
+        delta_vs_full(args)
+    elif args.sizes:
+        measured_vs_predicted(args)
+    else:
+        push_vs_save(args)
 
 
 if __name__ == "__main__":

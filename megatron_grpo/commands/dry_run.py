@@ -5,7 +5,8 @@ the way ``megatron_grpo.mcore.model`` builds megatron-core's GPTModel (local or
 Transformer Engine spec: same parameters), and memory per GPU is estimated
 from them for each pipeline stage.
 
-The parameter counts and the memory model are in ``memory_model``.
+The parameter counts and the memory model are in ``memory_model``; each weight-sync
+method's predicted push time (a ``weight push`` line per method) in ``push_time``.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from megatron_grpo.commands.memory_model import (
     stage_params,
     weight_push_bytes,
 )
-from megatron_grpo.config import Config
+from megatron_grpo.commands.push_time import PushPrediction, predict_push
+from megatron_grpo.config import Config, RolloutConfig
 from megatron_grpo.config.param_count import total_params
 from megatron_grpo.train.preflight import check_layout
 
@@ -192,6 +194,13 @@ def _gib(num_bytes: float) -> str:
     return f"{num_bytes / GIB:.1f}"
 
 
+def _size(num_bytes: float) -> str:
+    for unit, scale in (("GiB", GIB), ("MiB", 1 << 20)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:.1f} {unit}"
+    return f"{num_bytes / 1024:.1f} KiB"
+
+
 def _billions(n: float) -> str:
     return f"{n / 1e9:.3f}B" if n >= 1e8 else f"{n / 1e6:.3f}M" if n >= 1e5 else f"{n:,.0f}"
 
@@ -202,7 +211,7 @@ def _layer_ranges(layers: tuple[range, ...]) -> str:
 
 def _format(r: DryRunReport) -> list[str]:
     dims = r.cfg.parallel
-    lines = _format_params(r) + _format_memory(r)
+    lines = _format_params(r) + _format_memory(r) + _format_push(r)
     if r.gpus_per_node and dims.tp > r.gpus_per_node:
         lines.append(f"note: TP={dims.tp} spans nodes ({r.gpus_per_node} GPUs per node)")
     detail = f"{_gib(r.worst.total)} of {r.gpu_memory_gb:g} GiB per GPU"
@@ -301,6 +310,61 @@ def _format_memory(r: DryRunReport) -> list[str]:
             else []
         ),
     ]
+
+
+def push_predictions(r: DryRunReport) -> dict[str, PushPrediction]:
+    """Each method's predicted push (``commands.push_time``) for the report's config: its
+    engines (``rollout.engines``: the URLs, or the servers started), senders and engines on
+    other nodes when the learner spans nodes or an engine's URL is not on loopback, deltas
+    (``rollout.sync.delta``) to embedded engines by ``tensor``."""
+    rollout, sync = r.cfg.rollout, r.cfg.rollout.sync
+    nodes = r.world_size // r.gpus_per_node if r.gpus_per_node else 1
+    remote = [url for url in rollout.engines.urls if not _loopback_url(url)]
+    return {
+        method: predict_push(
+            r.cfg.model,
+            r.cfg.parallel,
+            method=method,
+            bucket_mb=sync.bucket_mb,
+            delta=sync.delta and method == "tensor" and rollout.engines.type == "embedded",
+            engine_type=rollout.engines.type,
+            num_engines=num_engines(rollout),
+            across_nodes=nodes > 1 or bool(remote),
+        )
+        for method in ("tensor", "disk", "distributed")
+    }
+
+
+def num_engines(rollout: RolloutConfig) -> int:
+    """The engines a push goes to: the URLs attached to, else the servers started."""
+    if rollout.engines.type == "sglang" and rollout.engines.urls:
+        return len(rollout.engines.urls)
+    if rollout.engines.type == "embedded" and not rollout.embedded_process:
+        return 1
+    return rollout.engines.num_servers
+
+
+def _loopback_url(url: str) -> bool:
+    from urllib.parse import urlparse
+
+    from megatron_grpo.config.rollout import is_loopback
+
+    return is_loopback(urlparse(url).hostname or "")
+
+
+def _format_push(r: DryRunReport) -> list[str]:
+    lines = []
+    for method, p in push_predictions(r).items():
+        chosen = " (rollout.sync.method)" if method == r.cfg.rollout.sync.method else ""
+        delta = " (rollout.sync.delta)" if p.delta else ""
+        lines.append(
+            f"weight push, {method}{chosen}: {_size(max(p.stage_bytes))}{delta} from the "
+            f"largest of {len(p.stage_bytes)} stage(s), {_size(p.engine_bytes)} into each of "
+            f"{p.num_engines} engine(s); {max(p.stage_buckets)} bucket(s) of "
+            f"{r.cfg.rollout.sync.bucket_mb} MiB; {p.transport.name} over {p.link.name} at "
+            f"{p.link.bytes_per_s / 1e9:g} GB/s: predicted {p.seconds:.3g} s"
+        )
+    return lines
 
 
 def _routes_row(cfg: Config, dp: int, resident: float) -> list[tuple[str, float, str]]:

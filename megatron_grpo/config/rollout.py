@@ -214,7 +214,9 @@ class WeightSyncConfig:
     ``zstd(new XOR previous bytes)`` with a checksum of the new bytes, skip unchanged ones,
     and push in full what an engine could not apply (``embedded.delta``). Each stage's
     sender keeps a host copy of the bytes it last sent. SGLang has no endpoint that applies
-    a delta, so a push to an SGLang engine with this on stops with an error."""
+    a delta, so a run with this on is refused at start when an engine answers that it is
+    SGLang (``engines.type: sglang`` alone does not say it: embedded servers may be attached
+    at ``urls``)."""
 
     def __post_init__(self) -> None:
         if self.delta and self.method != "tensor":

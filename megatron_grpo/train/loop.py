@@ -37,6 +37,7 @@ from megatron_grpo.train.colocation import (
 from megatron_grpo.train.main_wait import MainRankWork
 from megatron_grpo.train.run_lock import HELD_ENV, RunLock, RunLockedError
 from megatron_grpo.train.step import StepSettings, train_on_rollout
+from megatron_grpo.weight_sync.engines import refuse_delta_to_sglang
 from megatron_grpo.weight_sync.push import WeightPush
 
 
@@ -363,6 +364,8 @@ class _RolloutSide:
         )
         if cfg.rollout.return_routed_experts:  # refused now, not at the first forward
             self.runtime.check_routes(cfg.model)
+        if cfg.rollout.sync.delta and cfg.rollout.engines.type == "sglang":
+            refuse_delta_to_sglang(self.runtime)  # refused now, not at the first push
 
     def collect(self, step: int):
         """Step ``step``'s batch on the main rank: made now, or taken from the producer."""

@@ -7,7 +7,9 @@ version of its last complete push. An engine whose ``/model_info`` version is th
 the version being pushed: another stage got there first) gets deltas; any other (first push,
 a restarted engine, a push that failed half way) gets the full tensors. What an engine could
 not apply (a checksum that differs, another base) is pushed in full from the kept bytes, and
-one warning line names it.
+one warning line names it. SGLang has no endpoint that applies a delta: a push with
+delta on to an SGLang engine is refused (``refuse_sglang``) when the trainer starts, once its
+engines answer what they are (``engines.refuse_delta_to_sglang``), and again by every push.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from torch import Tensor
 
 from megatron_grpo.embedded import delta as wire
 from megatron_grpo.sglang_api.update_group import dtype_name
+from megatron_grpo.weight_sync.server_kinds import ServerKind
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +88,19 @@ class DeltaState:
             dtype, shape, data = self.previous[name]
             named[name] = torch.from_numpy(data).view(getattr(torch, dtype)).reshape(shape)
         return named
+
+
+def refuse_sglang(kinds: Mapping[str, ServerKind]) -> None:
+    """A ValueError naming the SGLang engines among ``kinds`` (url -> what it is), which
+    ``rollout.sync.delta`` cannot reach."""
+    sglang = [url for url, kind in kinds.items() if not kind.embedded]
+    if sglang:
+        raise ValueError(
+            f"rollout.sync.delta: {', '.join(sglang)} "
+            f"{'is an SGLang engine' if len(sglang) == 1 else 'are SGLang engines'}, and "
+            "SGLang's API has no endpoint that applies a delta; turn rollout.sync.delta off "
+            "(full pushes)"
+        )
 
 
 async def delta_engines(

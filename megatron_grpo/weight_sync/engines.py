@@ -25,6 +25,16 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+def refuse_delta_to_sglang(runtime: RolloutRuntime) -> None:
+    """``rollout.sync.delta`` at start: a ValueError when an engine answers (``/server_info``)
+    that it is SGLang, which has no endpoint that applies a delta. ``engines.type: sglang``
+    alone does not say it: embedded servers may be attached at ``urls``."""
+    from megatron_grpo.weight_sync.delta import refuse_sglang
+    from megatron_grpo.weight_sync.server_kinds import server_kinds
+
+    refuse_sglang(runtime.io.run(server_kinds(runtime.weight_client)))
+
+
 def begin_push(runtime: RolloutRuntime, weight_version: str) -> SyncPlan:
     """Open a push on every engine in use (pause, flush, begin) and say how the stage
     senders send; engines that answer again are taken back first."""

@@ -18,7 +18,12 @@ from typing import Any
 
 from torch import Tensor
 
-from megatron_grpo.weight_sync.delta import DeltaState, delta_engines, send_delta
+from megatron_grpo.weight_sync.delta import (
+    DeltaState,
+    delta_engines,
+    refuse_sglang,
+    send_delta,
+)
 from megatron_grpo.weight_sync.plan import SyncPlan
 from megatron_grpo.weight_sync.server_kinds import ServerKind, server_kinds
 
@@ -31,11 +36,8 @@ async def tensor_method(
     sends it to every engine and frees it. ``delta``: the sender's state with
     ``rollout.sync.delta`` on."""
     kinds = await server_kinds(client)
-    if delta is not None and (sglang := [u for u in plan.urls if not kinds[u].embedded]):
-        raise ValueError(
-            f"rollout.sync.delta: {', '.join(sglang)} is an SGLang engine, and SGLang's API "
-            "has no endpoint that applies a delta; turn rollout.sync.delta off (full pushes)"
-        )
+    if delta is not None:  # an engine taken back may have come back as SGLang
+        refuse_sglang({u: kinds[u] for u in plan.urls})
     by_delta = await delta_engines(client, plan.urls, delta, plan) if delta is not None else []
     by_way: dict[str, list[str]] = {"shm": [], "body": [], "sglang": [], "sglang_cuda": []}
     for url in plan.urls:

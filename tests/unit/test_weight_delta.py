@@ -1,7 +1,8 @@
 """``rollout.sync.delta``: after the first push, a stage's sender sends the embedded engine
 ``zstd(new XOR previous)`` per changed tensor; the engine ends bitwise where a full push
 leaves it, a corrupted delta is caught by its checksum and pushed in full, a restarted
-engine gets full tensors, and unchanged tensors are not sent."""
+engine gets full tensors, and unchanged tensors are not sent; engines that answer as SGLang
+are refused at start."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from megatron_grpo.embedded.weights import copy_into_model, hf_weights
 from megatron_grpo.mcore import device
 from megatron_grpo.rollout.runtime import RolloutRuntime, client_config
 from megatron_grpo.testing import random_hf_model, tiny_hf_config
-from megatron_grpo.weight_sync.engines import begin_push, finish_push
+from megatron_grpo.weight_sync.engines import begin_push, finish_push, refuse_delta_to_sglang
 from megatron_grpo.weight_sync.sender import StageSender
 
 HF_CONFIG = tiny_hf_config("qwen2")
@@ -176,7 +177,50 @@ def test_delta_needs_the_tensor_method():
         WeightSyncConfig(method="disk", delta=True)
 
 
-def test_delta_to_an_sglang_engine_is_refused(monkeypatch):
+def test_delta_to_an_sglang_engine_is_refused_at_start():
+    """An engine that answers ``/server_info`` as SGLang stops the trainer's start (its
+    rollout side calls this once its engines are up), before any rollout or push, with the
+    message a user reads."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from megatron_grpo.config import EnginesConfig
+    from megatron_grpo.sglang_api.compat import SGLANG
+
+    class SGLangStandIn(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            info = {"version": SGLANG.tested, "tp_size": 1, "device": "cuda"}
+            raw = json.dumps(info if self.path == "/server_info" else {}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(raw)))
+            self.end_headers()
+            self.wfile.write(raw)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), SGLangStandIn)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    cfg = RolloutConfig(
+        engines=EnginesConfig(type="sglang", urls=[url]), sync=WeightSyncConfig(delta=True)
+    )
+    runtime = RolloutRuntime(cfg)
+    try:
+        with pytest.raises(ValueError) as refused:
+            refuse_delta_to_sglang(runtime)
+        assert str(refused.value) == (
+            f"rollout.sync.delta: {url} is an SGLang engine, and SGLang's API has no endpoint "
+            "that applies a delta; turn rollout.sync.delta off (full pushes)"
+        )
+    finally:
+        runtime.close()
+        server.shutdown()
+
+
+def test_an_engine_that_comes_back_as_sglang_is_refused_at_the_push(monkeypatch):
     from megatron_grpo.weight_sync import tensor
     from megatron_grpo.weight_sync.delta import DeltaState
     from megatron_grpo.weight_sync.plan import SyncPlan
