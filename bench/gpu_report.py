@@ -106,6 +106,17 @@ def _sglang_rows(sglang: dict[str, Any] | None) -> list[str]:
         way = "CUDA IPC" if method == "tensor" else "NCCL broadcast"
         figure = push["error"][-200:] if "error" in push else f"{_num(push['gb_per_s'])} GB/s"
         rows.append(f"| weight push by {way} ({method}), tiny model | {figure} |")
+    turn = sglang.get("colocated")
+    if turn:
+        pool = turn["mem_fraction_static"] * turn["total_memory"]
+        rows.append(
+            "| colocated turn: device memory released by `/release_memory_occupation` | "
+            f"{(turn['free_asleep'] - turn['free_awake']) / 2**30:.2f} GiB "
+            f"({(turn['free_asleep'] - turn['free_awake']) / pool:.2f} of the static pool); "
+            f"release {_num(turn['release_s'])} s, resume weights "
+            f"{_num(turn['resume_weights_s'])} s, push {_num(turn['push_s'])} s, resume KV "
+            f"cache {_num(turn['resume_kv_cache_s'])} s |"
+        )
     return rows
 
 

@@ -19,11 +19,11 @@ SETUP_WARM_S=90       # stamps checked, imports verified
 SETUP_COLD_S=1800     # first call on a bare machine: downloads and a source build (estimate)
 PARTS=(
   # name              budget_s  tests
-  "layer_specs        70        tests/gpu/test_gpu_layer_specs.py"
-  "invariance         150       tests/gpu/test_gpu_invariance.py"
+  "layer_specs        65        tests/gpu/test_gpu_layer_specs.py"
+  "invariance         140       tests/gpu/test_gpu_invariance.py"
   "context_parallel   40        tests/gpu/test_gpu_context_parallel.py"
-  "sglang             165       tests/gpu/test_gpu_sglang.py"
-  "demo               70        tests/gpu/test_gpu_demo.py"
+  "sglang             170       tests/gpu/test_gpu_sglang.py"
+  "demo               95        tests/gpu/test_gpu_demo.py tests/gpu/test_gpu_offload.py"
 )
 TOTAL_S=600           # set-up (warm) + the parts + the report stay under this
 RESULTS=${MGRPO_GPU_RESULTS:-runs/gpu_tier/results.json}

@@ -235,8 +235,9 @@ generate."""
 class ColocateConfig:
     """``rollout.placement: colocated``: the engines run on the learner's GPUs and the two take
     turns. Each step: the learner's ``offload`` goes to host memory -> the engines' weights
-    wake -> the new weights are pushed -> their KV cache wakes -> they generate -> they
-    release their memory -> the learner comes back -> it trains (``rollout.colocation``)."""
+    wake -> the new weights are pushed -> their KV cache and CUDA graphs wake -> they
+    generate -> they release their memory -> the learner comes back -> it trains
+    (``train.colocation``)."""
 
     offload: list[Literal["optimizer", "grads", "params"]] = field(
         default_factory=lambda: ["optimizer", "grads"]

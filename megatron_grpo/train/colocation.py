@@ -6,7 +6,7 @@ One step, every transition complete before the next begins::
     generate -> release the engines' memory -> reload the learner -> train
     -> offload the learner's optimizer states and gradients -> resume the engines' weights
     -> push the new weights -> offload the learner's parameters (where configured)
-    -> resume the engines' KV cache -> (evaluate) -> generate ...
+    -> resume the engines' KV cache and CUDA graphs -> (evaluate) -> generate ...
 
 A checkpoint of the step is written after the training and before the offload (the learner
 is whole then). At start, the learner's optimizer states and gradients go to host first,
@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from megatron_grpo.config import ColocateConfig
-from megatron_grpo.sglang_api.memory import KV_CACHE, WEIGHTS
+from megatron_grpo.sglang_api.memory import CUDA_GRAPH, KV_CACHE, WEIGHTS
 
 
 class ColocationError(RuntimeError):
@@ -39,6 +39,9 @@ class ColocationError(RuntimeError):
 LEARNER_BEFORE_PUSH = ("optimizer", "grads")
 """What of the learner leaves before the engines wake (the push reads the parameters)."""
 LEARNER_AFTER_PUSH = ("params",)
+ENGINE_TAGS = (WEIGHTS, KV_CACHE, CUDA_GRAPH)
+"""What the engines release; the weights come back first (the push needs them), the KV cache
+and the CUDA graphs' memory after the push."""
 
 
 class Colocation:
@@ -50,7 +53,7 @@ class Colocation:
         self.runtime: Any = None
         self.step = 0
         self.engines_awake: tuple[str, ...] = ()
-        """The tags the engines hold now (main rank): both after start, none after a release."""
+        """The tags the engines hold now (main rank): all after start, none after a release."""
 
     # ---- the learner (every rank) ----
 
@@ -77,17 +80,17 @@ class Colocation:
     def engines_started(self, runtime: Any) -> None:
         """The engines are up (awake, as launched): they release their memory."""
         self.runtime = runtime
-        self.engines_awake = (WEIGHTS, KV_CACHE)
+        self.engines_awake = ENGINE_TAGS
         self.release_engines()
 
     def release_engines(self) -> None:
-        self._engines("release", (WEIGHTS, KV_CACHE), "release the engines' memory")
+        self._engines("release", ENGINE_TAGS, "release the engines' memory")
 
     def resume_weights(self) -> None:
         self._engines("resume", (WEIGHTS,), "resume the engines' weights")
 
     def resume_kv_cache(self) -> None:
-        self._engines("resume", (KV_CACHE,), "resume the engines' KV cache")
+        self._engines("resume", (KV_CACHE, CUDA_GRAPH), "resume the engines' KV cache")
 
     def _engines(self, action: str, tags: tuple[str, ...], what: str) -> None:
         if not self.is_main:

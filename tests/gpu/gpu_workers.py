@@ -204,12 +204,18 @@ def _sglang_phase(runtime, model, ctx, cfg, rollout_cfg, prompts) -> dict[str, A
 
 
 def sglang_scenario(
-    hf_dir: str, url: str, prompts: list[list[int]], max_new_tokens: int, methods: list[str]
+    hf_dir: str,
+    url: str,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    methods: list[str],
+    mem_fraction_static: float,
 ) -> dict[str, Any]:
     """One GPU learner (TE spec, bf16) holding the served checkpoint: the mismatch with the
     server's log-probs, then per method a weight push of perturbed weights (version = step)
     and the mismatch again. A push that fails is reported, not raised."""
     import dataclasses
+    import functools
     import time
 
     from megatron_grpo.commands.convert.hf_to_megatron import resolve_hf_model
@@ -257,15 +263,22 @@ def sglang_scenario(
     runtime.close()
     for step, method in enumerate(methods, start=1):
         perturb_weights(model, ctx, cfg, seed=step)
-        method_cfg = rollout_cfg(method)
+        colocated = method == "colocated"  # the tensor push inside a colocated turn
+        method_cfg = rollout_cfg("tensor" if colocated else method)
         runtime = RolloutRuntime(method_cfg, model_cfg=cfg)
         push = WeightPush(cfg, method_cfg, ctx)
         try:
-            start = time.perf_counter()
-            push(model, str(step), runtime)
-            torch.cuda.synchronize()
-            seconds = time.perf_counter() - start
-            result["pushes"][method] = {"s": seconds, "gb_per_s": nbytes / seconds / 1e9}
+            if colocated:
+                result["colocated"] = {"mem_fraction_static": mem_fraction_static}
+                result["colocated"] |= _colocated_turn(
+                    runtime, functools.partial(push, model, str(step), runtime)
+                )
+            else:
+                start = time.perf_counter()
+                push(model, str(step), runtime)
+                torch.cuda.synchronize()
+                seconds = time.perf_counter() - start
+                result["pushes"][method] = {"s": seconds, "gb_per_s": nbytes / seconds / 1e9}
             result["phases"][method] = _sglang_phase(runtime, model, ctx, cfg, method_cfg, prompts)
         except Exception as err:  # noqa: BLE001 - reported: NCCL may refuse a shared device
             result["pushes"][method] = {"error": f"{type(err).__name__}: {err}"[-3000:]}
@@ -273,3 +286,42 @@ def sglang_scenario(
             push.close()
             runtime.close()
     return result
+
+
+def _colocated_turn(runtime, push) -> dict[str, Any]:
+    """The engine's side of a colocated step through the trainer's ``Colocation``: release
+    everything, resume the weights, push, resume the KV cache and CUDA graphs. The device's
+    free memory (``torch.cuda.mem_get_info`` on the server's GPU) is read awake, asleep and
+    after each resume."""
+    import time
+
+    from megatron_grpo.config import ColocateConfig
+    from megatron_grpo.train.colocation import Colocation
+
+    device = torch.cuda.device_count() - 1  # the server's GPU (the second one when there are two)
+
+    def free() -> int:
+        torch.cuda.synchronize(device)
+        return torch.cuda.mem_get_info(device)[0]
+
+    turn = Colocation(ColocateConfig(offload=[], transition_timeout_s=60), None, is_main=True)
+    seconds: dict[str, float] = {}
+
+    def timed(name: str, call) -> None:
+        start = time.perf_counter()
+        call()
+        seconds[name] = time.perf_counter() - start
+
+    figures = {"free_awake": free()}
+    timed("release_s", lambda: turn.engines_started(runtime))
+    figures["free_asleep"] = free()
+    timed("resume_weights_s", turn.resume_weights)
+    figures["free_weights_resumed"] = free()
+    timed("push_s", push)
+    timed("resume_kv_cache_s", turn.resume_kv_cache)
+    figures["free_all_resumed"] = free()
+    return {
+        **figures,
+        **seconds,
+        "total_memory": torch.cuda.get_device_properties(device).total_memory,
+    }

@@ -10,6 +10,11 @@ spec, bf16) holding the same checkpoint (``gpu_workers.sglang_scenario``):
 - a push by CUDA IPC (``update_weights_from_tensor``, the ``tensor`` method on a GPU) of
   perturbed weights: the server's samples change, their version is the step, and the
   mismatch against the learner's new weights stays at the bf16 level;
+- a colocated turn (``rollout.placement: colocated``) through the trainer's ``Colocation``:
+  ``/release_memory_occupation`` of every tag (the server runs with
+  ``--enable-memory-saver``) gives the device back at least 80% of the static pool, the
+  weights resume, a CUDA IPC push fills them, the KV cache resumes, and the samples come
+  from the pushed weights;
 - a push by NCCL broadcast (``update_weights_from_distributed``). On one GPU the server and
   the learner share the device, which NCCL refuses (since 2.5): the test then xfails with
   the error seen. With two GPUs the server runs on the second (``--base-gpu-id 1``).
@@ -34,6 +39,10 @@ MISMATCH_MEAN = 0.1
 other weights than the server's differs by far more (the pushes' perturbation moves the
 log-probs by about 1 nat)."""
 MISMATCH_P99 = 1.0
+MEM_FRACTION_STATIC = 0.3
+"""The server's static pool (weights + KV cache) as a share of its GPU's memory."""
+RELEASED_SHARE = 0.8
+"""Of the static pool, what a release of every tag must give back to the device."""
 
 
 def save_tiny_qwen3(path) -> None:
@@ -73,8 +82,8 @@ def server(sglang_python, hf_dir, tmp_path_factory):
     command = (
         f"{sglang_python} -m sglang.launch_server --model-path {{model}} --host {{host}} "
         "--port {port} --skip-tokenizer-init --skip-server-warmup --disable-decode-cuda-graph "
-        "--disable-prefill-cuda-graph "
-        f"--mem-fraction-static 0.3 --dtype bfloat16 {second_gpu}"
+        "--disable-prefill-cuda-graph --enable-memory-saver "
+        f"--mem-fraction-static {MEM_FRACTION_STATIC} --dtype bfloat16 {second_gpu}"
     )
     start = time.perf_counter()
     group = launch_servers(
@@ -102,7 +111,9 @@ def scenario(server, hf_dir):
             "url": server.urls[0],
             "prompts": PROMPTS,
             "max_new_tokens": MAX_NEW_TOKENS,
-            "methods": ["tensor", "distributed"],  # distributed last: it may be refused
+            # distributed last: it may be refused
+            "methods": ["tensor", "colocated", "distributed"],
+            "mem_fraction_static": MEM_FRACTION_STATIC,
         },
         timeout=200,
     )
@@ -140,5 +151,19 @@ def test_weight_push_by_nccl_broadcast(scenario):
             )
         pytest.fail(push["error"])
     phase = scenario["phases"]["distributed"]
-    assert phase["weight_versions"] == ["2"], phase
+    assert phase["weight_versions"] == ["3"], phase
     _assert_matches_learner(phase, "after the NCCL push")
+
+
+def test_colocated_turn_releases_the_pool_and_samples_from_the_push(scenario):
+    push = scenario["pushes"].get("colocated", {})
+    assert "error" not in push, push
+    turn = scenario["colocated"]
+    pool = MEM_FRACTION_STATIC * turn["total_memory"]
+    released = turn["free_asleep"] - turn["free_awake"]
+    assert released >= RELEASED_SHARE * pool, (released / pool, turn)
+    assert turn["free_weights_resumed"] > turn["free_all_resumed"], turn  # the KV cache came back
+    phase = scenario["phases"]["colocated"]
+    assert phase["weight_versions"] == ["2"], phase
+    assert phase["first_tokens"] != scenario["phases"]["tensor"]["first_tokens"]
+    _assert_matches_learner(phase, "after a colocated turn")

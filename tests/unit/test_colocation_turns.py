@@ -84,15 +84,15 @@ def test_a_step_runs_the_transitions_in_order():
     c = colocation(log)
     one_step(c)
     assert log == [
-        ("release", ("weights", "kv_cache")),  # at start: the engines came up awake
-        ("release", ("weights", "kv_cache")),
+        ("release", ("weights", "kv_cache", "cuda_graph")),  # at start: the engines came up awake
+        ("release", ("weights", "kv_cache", "cuda_graph")),
         ("reload",),
         ("offload", ("optimizer", "grads")),
         ("resume", ("weights",)),
         ("offload", ("params",)),
-        ("resume", ("kv_cache",)),
+        ("resume", ("kv_cache", "cuda_graph")),
     ]
-    assert c.engines_awake == ("weights", "kv_cache")
+    assert c.engines_awake == ("weights", "kv_cache", "cuda_graph")
 
 
 def test_only_the_configured_parts_are_offloaded():

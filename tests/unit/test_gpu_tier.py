@@ -81,8 +81,8 @@ def test_dry_run_prints_the_plan_and_budgets_and_installs_nothing(tmp_path):
             name, budget = line.split()[2].rstrip(","), int(line.split("budget ")[1].split()[0])
             budgets[name] = budget
     assert set(budgets) == set(PARTS), out
-    assert "total budget 585 s of 600 s" in out
-    assert 90 + sum(budgets.values()) == 585
+    assert "total budget 600 s of 600 s" in out
+    assert 90 + sum(budgets.values()) == 600
     assert not list(tmp_path.iterdir()), "the dry run created something"
 
 
