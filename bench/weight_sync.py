@@ -61,33 +61,16 @@ from _common import (
     write_result,
 )
 
+from megatron_grpo.commands.push_time import CALIBRATION_SIZES, calibration_model
 from megatron_grpo.testing.memory import MALLOC_ENV, ResidentPeak
 
 BUCKET_MB = 64
 
 
-SIZES = {
-    "small": dict(num_layers=2, hidden_size=256, ffn_hidden_size=768, vocab_size=8000),
-    "mid": dict(num_layers=4, hidden_size=512, ffn_hidden_size=1536, vocab_size=16000),
-    "default": dict(num_layers=8, hidden_size=1024, ffn_hidden_size=3072, vocab_size=32000),
-}
-"""Qwen3-shaped models of 23, 116 and 648 MB in fp32 (``--sizes``; the default is the last)."""
-
-
 def model_config(quick: bool, size: str = "default"):
-    from megatron_grpo.config import ModelConfig
-
     if quick:
         return tiny_model(vocab_size=500, make_vocab_size_divisible_by=8, qk_layernorm=True)
-    shape = SIZES[size]
-    return ModelConfig(
-        num_attention_heads=shape["hidden_size"] // 64,
-        num_query_groups=4 if shape["hidden_size"] > 256 else 2,
-        make_vocab_size_divisible_by=128,
-        max_position_embeddings=512,
-        qk_layernorm=True,
-        **shape,
-    )
+    return calibration_model(size)
 
 
 def _cpu_s(pid: int) -> float:
@@ -295,7 +278,7 @@ def measured_vs_predicted(args) -> None:
     layout = Layout.parse("1x1x1")
     repeats = args.repeats or (2 if args.quick else 5)
     warmup = args.warmup if args.warmup is not None else 1
-    sizes = ["small"] if args.quick else list(SIZES)
+    sizes = ["small"] if args.quick else list(CALIBRATION_SIZES)
     rows = {}
     for size in sizes:
         model_cfg = model_config(False, size)

@@ -79,6 +79,32 @@ xxh3 checksum (measured encoding 64 MB of fp32 and of bf16 weights after an Adam
 on the machine of ``LINKS["host_memory"]``); the engine's end is taken to cost the same."""
 
 
+CALIBRATION_SIZES = {
+    "small": (2, 256, 768, 8000),
+    "mid": (4, 512, 1536, 16000),
+    "default": (8, 1024, 3072, 32000),
+}
+"""Layers, hidden size, FFN size and vocabulary of the Qwen3-shaped models of 23, 116 and
+648 MB in fp32 that ``bench/weight_sync.py --sizes`` pushes, against which the host-memory
+constants above are checked."""
+
+
+def calibration_model(size: str) -> ModelConfig:
+    """The model of ``CALIBRATION_SIZES[size]``: heads of 64 channels, qk layernorm."""
+    layers, hidden, ffn, vocab = CALIBRATION_SIZES[size]
+    return ModelConfig(
+        num_layers=layers,
+        hidden_size=hidden,
+        ffn_hidden_size=ffn,
+        vocab_size=vocab,
+        num_attention_heads=hidden // 64,
+        num_query_groups=4 if hidden > 256 else 2,
+        make_vocab_size_divisible_by=128,
+        max_position_embeddings=512,
+        qk_layernorm=True,
+    )
+
+
 @dataclass(frozen=True)
 class Transport:
     """How a method's bytes reach the engines."""

@@ -10,11 +10,12 @@ from megatron_grpo import cli
 from megatron_grpo.commands import push_time
 from megatron_grpo.commands.push_time import (
     Link,
+    calibration_model,
     predict_push,
     stage_hf_tensors,
     transport,
 )
-from megatron_grpo.config import ModelConfig, ParallelDims, load_config
+from megatron_grpo.config import ParallelDims, load_config
 from megatron_grpo.config.hf import model_config_from_hf
 from megatron_grpo.testing import random_hf_model, tiny_hf_config
 
@@ -119,7 +120,7 @@ def test_delta_sends_a_fraction_and_pays_the_codec_by_hand(round_constants):
 
 
 def test_buckets_of_a_stage_by_hand():
-    m = _bench_model("default")
+    m = calibration_model("default")
     p = predict_push(m, ParallelDims(), method="tensor", bucket_mb=64, engine_type="embedded")
     assert p.stage_bytes == (648_093_696,)
     assert p.stage_buckets == (10,)  # 648093696 / 67108864 = 9.66
@@ -128,30 +129,17 @@ def test_buckets_of_a_stage_by_hand():
 # bench/weight_sync.py --sizes: one stage to the embedded server in its own process through
 # shared memory, 64 MiB buckets, fp32, 2 shared cores of an AMD EPYC; wall medians of 5
 # pushes (the run that the constants were not taken from).
-BENCH_SIZES = {
-    "small": dict(num_layers=2, hidden_size=256, ffn_hidden_size=768, vocab_size=8000),
-    "mid": dict(num_layers=4, hidden_size=512, ffn_hidden_size=1536, vocab_size=16000),
-    "default": dict(num_layers=8, hidden_size=1024, ffn_hidden_size=3072, vocab_size=32000),
-}
 MEASURED_S = {"small": 0.054, "mid": 0.142, "default": 0.795}
-
-
-def _bench_model(size: str) -> ModelConfig:
-    shape = BENCH_SIZES[size]
-    return ModelConfig(
-        num_attention_heads=shape["hidden_size"] // 64,
-        num_query_groups=4 if shape["hidden_size"] > 256 else 2,
-        make_vocab_size_divisible_by=128,
-        max_position_embeddings=512,
-        qk_layernorm=True,
-        **shape,
-    )
 
 
 @pytest.mark.parametrize("size", sorted(MEASURED_S))
 def test_prediction_is_within_30_percent_of_the_measured_cpu_push(size):
     p = predict_push(
-        _bench_model(size), ParallelDims(), method="tensor", bucket_mb=64, engine_type="embedded"
+        calibration_model(size),
+        ParallelDims(),
+        method="tensor",
+        bucket_mb=64,
+        engine_type="embedded",
     )
     assert 0.7 <= MEASURED_S[size] / p.seconds <= 1.3
 
