@@ -105,12 +105,13 @@ def prepare(tmp: Path, quick: bool) -> tuple[Path, Path]:
             "num_attention_heads": 16,
             "num_key_value_heads": 4,
             "head_dim": 64,
+            "layer_types": ["full_attention"] * 8,
         }
     )
     big = tmp / "big_model"
     AutoModelForCausalLM.from_config(config).save_pretrained(big)
-    for f in (assets / "model").iterdir():
-        if "token" in f.name or f.name == "special_tokens_map.json":
+    for f in (assets / "model").iterdir():  # the tokenizer and its chat template
+        if not (big / f.name).exists() and not f.name.endswith(".safetensors"):
             shutil.copy(f, big / f.name)
     return assets, big
 

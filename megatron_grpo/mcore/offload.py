@@ -15,7 +15,8 @@ parameters, DDP's buckets, the optimizer's references) stays valid and needs no 
   distributed optimizer, each parameter's own storage otherwise).
 
 Offload copies each storage, whole and byte for byte, into a host tensor (pinned on CUDA,
-allocated once and reused every step) and frees the device storage
+allocated once and reused every step; on a CPU allocated at each offload and freed at each
+reload, so that the part is never held twice between steps) and frees the device storage
 (``untyped_storage().resize_(0)``); reload allocates it again and copies back. A tensor
 whose storage is freed must not be read (torch reads freed memory without checking), so
 while the parameters are away a forward raises :class:`ParamsOffloaded`, and so does
@@ -77,7 +78,9 @@ class LearnerOffload:
         self._moved: dict[str, list[Tensor]] = {}
         """Per offloaded part, a byte view of each storage it freed."""
         self._host: dict[str, list[Tensor]] = {}
-        """Per part, the host copies: kept from one step to the next."""
+        """Per part, the host copies: kept from one step to the next on CUDA (pinned memory
+        is slow to allocate); on a CPU, where the learner's own memory is host memory too,
+        freed on reload."""
         self._hooks: list = []
         self._host_bytes = self._count_host_bytes()
 
@@ -118,6 +121,8 @@ class LearnerOffload:
             for view, host in zip(views, self._host.get(part, [])):
                 view.untyped_storage().resize_(view.numel())
                 view.copy_(host, non_blocking=view.is_cuda)
+            if views and not views[0].is_cuda:
+                self._host.pop(part, None)  # on a CPU the copy would hold the part twice
         for hook in self._hooks:
             hook.remove()
         self._hooks = []

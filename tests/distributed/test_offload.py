@@ -46,4 +46,6 @@ def test_offload_frees_the_device_and_training_goes_on_bitwise(tp, pp, dp, distr
                 assert freed[refused] and "offloaded to host" in freed[refused], (rank, freed)
         # counted before the first step (Adam's moments did not exist yet), held after it
         assert r["predicted_host_bytes"] == r["host_copy_bytes"] > 0, (rank, r)
+        # on a CPU the learner's memory is host memory: no copy outlives the reload
+        assert r["host_copy_bytes_after_reload"] == [0] * STEPS, (rank, r)
     assert max(f["exported_units"] for r in results for f in r["freed"]) > 0

@@ -119,8 +119,9 @@ def offload_between_steps(*, tp: int, pp: int, distributed: bool, steps: int) ->
                 "forward_refused": _refused(lambda: moved[0][0](None, None, None)),
             }
         )
-        record["host_copy_bytes"] = sum(h.numel() for part in offload._host.values() for h in part)
+        record["host_copy_bytes"] = _host_copy_bytes(offload)
         offload.reload()
+        record.setdefault("host_copy_bytes_after_reload", []).append(_host_copy_bytes(offload))
 
         for name, a, b in (
             ("params", _params(plain[0]), _params(moved[0])),
@@ -129,3 +130,7 @@ def offload_between_steps(*, tp: int, pp: int, distributed: bool, steps: int) ->
             if len(a) != len(b) or not all(torch.equal(x, y) for x, y in zip(a, b)):
                 record["mismatch"].append(f"step {step}: {name}")
     return record
+
+
+def _host_copy_bytes(offload) -> int:
+    return sum(h.numel() for part in offload._host.values() for h in part)
