@@ -71,7 +71,7 @@ def test_a_refused_resume_stops_the_run_and_the_run_resumes(assets, tmp_path):
     ), error
     assert error.endswith(
         '/resume_memory_occupation answered HTTP 400: {"error": {"message": '
-        '"/resume_memory_occupation: weights not released (released: kv_cache)"}}; '
+        '"/resume_memory_occupation: weights not released (released: kv_cache, cuda_graph)"}}; '
         "the run stops here"
     ), error
     # Step 2 trained and was saved before its push; the run takes up from there.
