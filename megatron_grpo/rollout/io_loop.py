@@ -20,6 +20,10 @@ T = TypeVar("T")
 CANCEL_WAIT_S = 30.0
 """How long ``run`` waits for a coroutine it cancelled (on Ctrl-C) to finish cancelling."""
 
+WAKE_S = 0.2
+"""How often a thread waiting in ``run`` wakes: a signal that lands just before it blocks
+(its handler runs only between bytecodes) is then handled within this, not lost."""
+
 
 class IOLoop:
     def __init__(self, name: str = "rollout-io") -> None:
@@ -42,10 +46,10 @@ class IOLoop:
         An exception in the waiting thread (Ctrl-C) cancels ``call`` and waits for it to
         finish cancelling (what it does then, such as aborting requests, is done) before the
         exception goes on."""
-        task = self.submit(_started(call)).result()
+        task = _result(self.submit(_started(call)))
         self._running.add(task)
         try:
-            return self.submit(_awaited(task)).result()
+            return _result(self.submit(_awaited(task)))
         except BaseException:
             self.cancel(task)
             raise
@@ -80,6 +84,13 @@ class IOLoop:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join()
         self.loop.close()
+
+
+def _result(future: concurrent.futures.Future[T]) -> T:
+    """``future.result()``, waited for in slices of WAKE_S so that Ctrl-C is never missed."""
+    while not future.done():
+        concurrent.futures.wait([future], timeout=WAKE_S)
+    return future.result()
 
 
 async def _started(call: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
