@@ -438,6 +438,8 @@ def test_ctrl_c_during_a_generation_aborts_it_on_the_server(tmp_path):
     # To this (the main) thread, as a terminal's Ctrl-C would: it interrupts the event loop.
     main = threading.main_thread().ident
     interrupt = threading.Timer(1.0, signal.pthread_kill, args=(main, signal.SIGINT))
+    # Python's own Ctrl-C handler, whatever an earlier test of this process left installed
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         interrupt.start()
         with pytest.raises(KeyboardInterrupt):
@@ -446,6 +448,7 @@ def test_ctrl_c_during_a_generation_aborts_it_on_the_server(tmp_path):
         assert len(rids) == 2
     finally:
         interrupt.join()
+        signal.signal(signal.SIGINT, previous)
         runtime.close()
 
 
